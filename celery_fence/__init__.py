@@ -1,0 +1,39 @@
+"""celery-fence: PostgreSQL leases and fencing tokens for Celery.
+
+The core (this package, less ``contrib``) imports neither Celery nor a driver-specific API.
+"""
+
+from celery_fence.exceptions import (
+    ConfigurationError,
+    FenceDatabaseError,
+    FenceError,
+    LeaseBusyError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
+    LeasePausedError,
+    SchemaNotInstalledError,
+    StaleEpochError,
+)
+from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
+from celery_fence.store import LeaseStore, engine_from_url
+
+__all__ = [
+    "Acquisition",
+    "ConfigurationError",
+    "FenceDatabaseError",
+    "FenceError",
+    "HistoryEntry",
+    "Lease",
+    "LeaseBusyError",
+    "LeaseError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "LeasePausedError",
+    "LeaseStore",
+    "Owner",
+    "SchemaNotInstalledError",
+    "StaleEpochError",
+    "StaleRun",
+    "engine_from_url",
+]

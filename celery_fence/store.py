@@ -1,0 +1,595 @@
+"""LeaseStore: the Python face of the lease protocol that lives in PostgreSQL."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, Literal, Protocol
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from celery_fence import _sql, validation
+from celery_fence.exceptions import (
+    ConfigurationError,
+    FenceDatabaseError,
+    LeaseError,
+    LeaseLostError,
+    LeasePausedError,
+    SchemaNotInstalledError,
+    StaleEpochError,
+)
+from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
+from celery_fence.observe import Metrics, log, stale_log
+
+Clock = Callable[[], datetime]
+Mode = Literal["join", "resume"]
+
+_LOCK_NOT_AVAILABLE = "55P03"
+_STALE_EPOCH = "CF001"
+_SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
+_INVALID_ARGUMENT = {"22023"}
+_OWNER_FIELDS = (
+    "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
+    "expires_at", "hold_until", "released_at", "paused", "paused_reason", "paused_by", "paused_at",
+)  # fmt: skip
+
+
+class Executor(Protocol):
+    """A SQLAlchemy ``Connection`` or ``Session``: anything with ``execute``."""
+
+    def execute(self, statement: Any, parameters: Any = ..., /) -> Any: ...
+
+
+def engine_from_url(url: str, **kwargs: Any) -> Engine:
+    """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL."""
+    try:
+        parsed = make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+    if parsed.get_backend_name() != "postgresql":
+        raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)
+
+
+def proof_message(name: str, epoch: int, holder: str, mode: Mode) -> bytes:
+    """The bytes a header proof signs; ``celery_fence.proof_message`` builds the same."""
+    return "\n".join((name, str(epoch), holder, mode)).encode()
+
+
+def proof(lease: Lease, mode: Mode) -> str:
+    """HMAC-SHA256 keyed by the lease's token: proves a header's origin without carrying it."""
+    message = proof_message(lease.name, lease.epoch, lease.holder, mode)
+    return hmac.new(lease.token.bytes, message, hashlib.sha256).hexdigest()
+
+
+def _sqlstate(exc: sa.exc.DBAPIError) -> str | None:
+    orig = exc.orig
+    return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+
+
+def _wrap(exc: sa.exc.DBAPIError) -> FenceDatabaseError | ConfigurationError:
+    state = _sqlstate(exc)
+    detail = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+    if state in _SCHEMA_MISSING:
+        return SchemaNotInstalledError(
+            f"celery-fence schema is not installed or out of date ({detail}); "
+            "run `celery-fence install`"
+        )
+    if state in _INVALID_ARGUMENT:
+        return ConfigurationError(detail)
+    return FenceDatabaseError(f"database error: {detail}")
+
+
+def _owner(row: Mapping[str, Any]) -> Owner | None:
+    if row["name"] is None:
+        return None
+    return Owner(**{key: row[key] for key in _OWNER_FIELDS})
+
+
+class LeaseStore:
+    """Leases, fenced writes and stale-run records in one PostgreSQL database.
+
+    ``engine`` is a SQLAlchemy engine on psycopg 3. ``clock`` replaces the database clock (tests
+    pass a function returning an aware ``datetime``); by default ``clock_timestamp()`` decides.
+    ``max_ttl`` bounds every TTL this store asks for. ``lock_timeout`` bounds how long an
+    acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
+    share of each granted period the holder does not trust, so that it stops before the database
+    could hand the lease on.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        clock: Clock | None = None,
+        max_ttl: float = 3600.0,
+        lock_timeout: float = 2.0,
+        safety_margin: float = 0.1,
+        default_environment: str = "default",
+    ) -> None:
+        self.engine = engine
+        self.clock = clock
+        self.max_ttl = validation.check_seconds(
+            max_ttl, "max_ttl", maximum=validation.MAX_TTL_SECONDS
+        )
+        self.lock_timeout = validation.check_seconds(lock_timeout, "lock_timeout", maximum=60)
+        self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
+        self.default_environment = validation.check_environment(default_environment)
+        self.metrics = Metrics()
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._queries = {name: sa.text(sql) for name, sql in _sql.queries().items()}
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> LeaseStore:
+        """A store on a new engine; ``postgresql://`` URLs use psycopg 3."""
+        return cls(engine_from_url(url), **kwargs)
+
+    def dedicated(self) -> LeaseStore:
+        """A store with the same settings on a connection of its own (for renewal threads), so
+        that a busy pool in the work never starves the lease."""
+        engine = sa.create_engine(self.engine.url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+        return LeaseStore(
+            engine,
+            clock=self.clock,
+            max_ttl=self.max_ttl,
+            lock_timeout=self.lock_timeout,
+            safety_margin=self.safety_margin,
+            default_environment=self.default_environment,
+        )
+
+    # -- schema -----------------------------------------------------------------------------
+
+    @staticmethod
+    def install_script() -> str:
+        """The SQL :meth:`install` runs, for review or for ``psql -f``."""
+        return _sql.install_script()
+
+    def install(self) -> int:
+        """Create or upgrade the schema (idempotent); return the schema version."""
+        try:
+            with self.engine.begin() as conn:
+                # A plain DB-API execute without parameters: the script's '%' stay literal.
+                conn.connection.cursor().execute(_sql.install_script())
+                return int(conn.exec_driver_sql(_sql.queries()["schema_version"]).scalar_one())
+        except sa.exc.DBAPIError as exc:
+            raise _wrap(exc) from exc
+
+    # -- the protocol -----------------------------------------------------------------------
+
+    def acquire(
+        self,
+        name: str,
+        *,
+        holder: str,
+        ttl: float,
+        environment: str | None = None,
+        max_hold: float | None = None,
+        purpose: str = "",
+    ) -> Acquisition:
+        """Try once to take the lease. Raises :class:`LeasePausedError` on a paused lease.
+
+        ``acquired`` is true only for the winner, whose lease carries a new epoch. A loser's
+        ``owner`` is the current owner as committed at the moment of the decision; ``outcome``
+        is ``"busy"`` when fenced writers kept the row locked past ``lock_timeout``.
+        """
+        params = {
+            "name": validation.check_name(name),
+            "holder": validation.check_holder(holder),
+            "environment": self._environment(environment),
+            "ttl": self._ttl(ttl),
+            "max_hold": self._max_hold(max_hold, ttl),
+            "purpose": validation.check_text(
+                purpose, "purpose", max_length=validation.MAX_TEXT_LENGTH, allow_empty=True
+            ),
+            "lock_timeout": self.lock_timeout,
+            "now": self._now(),
+        }
+        started = time.monotonic()
+        try:
+            row = self._call("acquire", params)
+        except sa.exc.DBAPIError as exc:
+            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                raise _wrap(exc) from exc
+            owner = self.owner(name)
+            self.metrics.incr("acquire.busy")
+            log.info("lease %s busy: row locked by fenced writers", name, extra={"lease": name})
+            return Acquisition(outcome="busy", lease=None, owner=owner)
+        outcome = row["outcome"]
+        self.metrics.incr(f"acquire.{outcome}")
+        owner = _owner(row)
+        if outcome == "paused":
+            assert owner is not None
+            raise LeasePausedError(
+                f"lease {name} is paused by {owner.paused_by}: {owner.paused_reason}",
+                lease_name=name,
+                owner=owner,
+                reason="paused",
+            )
+        lease = self._lease(row, started, params["ttl"]) if outcome == "acquired" else None
+        if lease is not None:
+            log.info(
+                "lease %s acquired by %s at epoch %d",
+                name,
+                lease.holder,
+                lease.epoch,
+                extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
+            )
+        return Acquisition(outcome=outcome, lease=lease, owner=owner)
+
+    def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+        """Extend the lease (never its epoch, never past its maximum hold).
+
+        Raises :class:`LeaseLostError` with the current owner when the lease was superseded,
+        released, paused or expired; the database records that stale renewal.
+        """
+        ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
+        started = time.monotonic()
+        row = self._call_or_wrap(
+            "renew",
+            {
+                "name": lease.name,
+                "epoch": lease.epoch,
+                "token": lease.token,
+                "ttl": ttl_seconds,
+                "holder": lease.holder,
+                "enforced": True,
+                "now": self._now(),
+            },
+        )
+        if row["outcome"] != "renewed":
+            raise self._rejected(lease.name, lease.epoch, lease.holder, row, "renew", True)
+        self.metrics.incr("renew.renewed")
+        return self._lease(row, started, ttl_seconds)
+
+    def release(self, lease: Lease) -> None:
+        """Give the lease up at once (idempotent). Only its holder can: a stale release raises
+        :class:`LeaseLostError` and is recorded."""
+        row = self._call_or_wrap(
+            "release",
+            {
+                "name": lease.name,
+                "epoch": lease.epoch,
+                "token": lease.token,
+                "holder": lease.holder,
+                "enforced": True,
+                "now": self._now(),
+            },
+        )
+        if row["outcome"] != "released":
+            raise self._rejected(lease.name, lease.epoch, lease.holder, row, "release", True)
+        self.metrics.incr("release.released")
+        log.info(
+            "lease %s released by %s at epoch %d",
+            lease.name,
+            lease.holder,
+            lease.epoch,
+            extra={"lease": lease.name, "epoch": lease.epoch, "holder": lease.holder},
+        )
+
+    def rejoin(
+        self,
+        name: str,
+        *,
+        epoch: int,
+        holder: str,
+        mode: Mode,
+        proof: str,
+        ttl: float,
+        action: str,
+        enforce: bool = True,
+    ) -> Lease:
+        """Take up a lease at the epoch a continuation was published under (see
+        ``celery_fence.rejoin`` in the SQL reference). Raises :class:`LeaseLostError` when a
+        newer epoch exists, the lease is paused, or the proof does not match; the database
+        records the stale run."""
+        try:
+            proof_bytes = bytes.fromhex(proof)
+        except ValueError as exc:
+            raise ConfigurationError(f"proof must be hex, got {proof!r}") from exc
+        ttl_seconds = self._ttl(ttl)
+        started = time.monotonic()
+        row = self._call_or_wrap(
+            "rejoin",
+            {
+                "name": validation.check_name(name),
+                "epoch": epoch,
+                "holder": validation.check_holder(holder),
+                "mode": mode,
+                "proof": proof_bytes,
+                "ttl": ttl_seconds,
+                "action": self._action(action),
+                "enforced": enforce,
+                "now": self._now(),
+            },
+        )
+        if row["outcome"] != "held":
+            raise self._rejected(name, epoch, holder, row, action, enforce)
+        return self._lease(row, started, ttl_seconds)
+
+    @contextmanager
+    def guard(
+        self, lease: Lease, conn: Executor, *, action: str, enforce: bool = True
+    ) -> Iterator[Lease]:
+        """Fence the writes made on ``conn`` inside the block.
+
+        Before the block, a lease past its monotonic deadline is rejected without touching the
+        database. After the block, in the same transaction, the lease row is locked ``FOR
+        SHARE`` and checked: the writes can then commit only while the epoch still holds, and no
+        acquisition can replace the lease until they have. A stale epoch raises
+        :class:`StaleEpochError`, which rolls the caller's transaction back; the stale run is
+        recorded on the store's own connection, so the record survives that rollback.
+
+        With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
+        blocked.
+        """
+        action = self._action(action)
+        if not lease.trusted:
+            self._record_rejection(lease, "expired", action, enforce)
+            if enforce:
+                raise StaleEpochError(
+                    f"lease {lease.name} epoch {lease.epoch} passed its deadline "
+                    f"before {action!r}",
+                    lease_name=lease.name,
+                    epoch=lease.epoch,
+                    reason="expired",
+                )
+        yield lease
+        params = {"name": lease.name, "epoch": lease.epoch, "token": lease.token, "now": self._now()}
+        if not enforce:
+            row = conn.execute(self._queries["check_fence"], params).mappings().one()
+            if row["reason"] is not None:
+                self._record_rejection(lease, row["reason"], action, False)
+            return
+        try:
+            conn.execute(self._queries["fence"], params)
+        except sa.exc.DBAPIError as exc:
+            if _sqlstate(exc) != _STALE_EPOCH:
+                raise _wrap(exc) from exc
+            reason = str(exc.orig).split("stale epoch (", 1)[-1].split(")", 1)[0]
+            owner = self.owner(lease.name)
+            self._record_rejection(lease, reason, action, True)
+            raise StaleEpochError(
+                f"fenced write {action!r} rejected: lease {lease.name} epoch {lease.epoch} "
+                f"is {reason}",
+                lease_name=lease.name,
+                epoch=lease.epoch,
+                owner=owner,
+                reason=reason,
+            ) from exc
+        self.metrics.incr("guard.committed")
+
+    def record_stale_run(
+        self,
+        name: str,
+        *,
+        epoch: int | None,
+        holder: str,
+        reason: str,
+        action: str,
+        environment: str | None = None,
+        enforced: bool = True,
+    ) -> StaleRun:
+        """Store a stale run the protocol functions could not record themselves (a forged or
+        malformed header, a write rejected by its holder's own deadline), log and count it."""
+        row = self._call_or_wrap(
+            "record_stale_run",
+            {
+                "name": name,
+                "epoch": epoch,
+                "holder": holder,
+                "reason": reason,
+                "action": self._action(action),
+                "environment": environment or self.default_environment,
+                "enforced": enforced,
+                "now": self._now(),
+            },
+        )
+        record = StaleRun(**row)
+        self._report(
+            lease_name=record.lease_name,
+            environment=record.environment,
+            stale_epoch=record.stale_epoch,
+            stale_holder=record.stale_holder,
+            current_epoch=record.current_epoch,
+            current_holder=record.current_holder,
+            reason=record.reason,
+            action=record.action,
+            enforced=record.enforced,
+        )
+        return record
+
+    # -- the kill switch --------------------------------------------------------------------
+
+    def pause(
+        self, name: str, *, reason: str, by: str = "celery-fence", environment: str | None = None
+    ) -> Owner:
+        """Stop the lease from being acquired or renewed until :meth:`resume`; its holder's
+        fenced writes are rejected from now on."""
+        row = self._call_or_wrap(
+            "pause",
+            {
+                "name": validation.check_name(name),
+                "reason": validation.check_text(
+                    reason, "reason", max_length=validation.MAX_TEXT_LENGTH
+                ),
+                "by": validation.check_holder(by),
+                "environment": self._environment(environment),
+                "now": self._now(),
+            },
+        )
+        log.warning("lease %s paused by %s: %s", name, by, reason, extra={"lease": name})
+        owner = _owner(row)
+        assert owner is not None
+        return owner
+
+    def resume(self, name: str) -> Owner:
+        """Lift a pause. Raises :class:`LeaseError` for a lease that does not exist."""
+        row = self._call_or_wrap(
+            "resume", {"name": validation.check_name(name), "now": self._now()}
+        )
+        owner = _owner(row)
+        if owner is None:
+            raise LeaseError(f"no lease named {name}", lease_name=name)
+        log.warning("lease %s resumed", name, extra={"lease": name})
+        return owner
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def owner(self, name: str) -> Owner | None:
+        """The lease's current safe metadata, or ``None`` if it was never taken or paused."""
+        rows = self._rows("owner", {"name": validation.check_name(name), "now": self._now()})
+        return _owner(rows[0]) if rows and rows[0]["name"] is not None else None
+
+    def leases(self, environment: str | None = None) -> list[Owner]:
+        rows = self._rows("leases", {"environment": environment, "now": self._now()})
+        return [owner for row in rows if (owner := _owner(row)) is not None]
+
+    def stale_runs(
+        self, *, environment: str | None = None, lease_name: str | None = None, limit: int = 100
+    ) -> list[StaleRun]:
+        """Rejected stale runs, newest first."""
+        rows = self._rows(
+            "stale_runs",
+            {"environment": environment, "lease_name": lease_name, "limit": self._limit(limit)},
+        )
+        return [StaleRun(**row) for row in rows]
+
+    def history(self, name: str, *, limit: int = 100) -> list[HistoryEntry]:
+        """Who won each epoch of the lease, newest first."""
+        rows = self._rows(
+            "history", {"name": validation.check_name(name), "limit": self._limit(limit)}
+        )
+        return [HistoryEntry(**row) for row in rows]
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _now(self) -> datetime | None:
+        return None if self.clock is None else self.clock()
+
+    def _environment(self, environment: str | None) -> str:
+        return validation.check_environment(
+            self.default_environment if environment is None else environment
+        )
+
+    def _ttl(self, ttl: float) -> float:
+        return validation.check_seconds(ttl, "ttl", maximum=self.max_ttl)
+
+    def _max_hold(self, max_hold: float | None, ttl: float) -> float | None:
+        if max_hold is None:
+            return None
+        seconds = validation.check_seconds(
+            max_hold, "max_hold", maximum=validation.MAX_HOLD_SECONDS
+        )
+        if seconds < ttl:
+            raise ConfigurationError(f"max_hold ({seconds:g}s) must be at least ttl ({ttl:g}s)")
+        return seconds
+
+    @staticmethod
+    def _action(action: str) -> str:
+        return validation.check_text(action, "action", max_length=validation.MAX_TEXT_LENGTH)
+
+    @staticmethod
+    def _limit(limit: int) -> int:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise ConfigurationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
+        return limit
+
+    def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:
+        trusted_for = max(0.0, float(row["remaining"])) * (1.0 - self.safety_margin)
+        return Lease(
+            name=row["name"],
+            environment=row["environment"],
+            holder=row["holder"],
+            purpose=row["purpose"],
+            epoch=row["epoch"],
+            token=row["token"],
+            acquired_at=row["acquired_at"],
+            expires_at=row["expires_at"],
+            hold_until=row["hold_until"],
+            ttl=ttl,
+            deadline=started + trusted_for,
+        )
+
+    def _rows(self, query: str, params: dict[str, Any]) -> list[Mapping[str, Any]]:
+        try:
+            with self._autocommit.connect() as conn:
+                return list(conn.execute(self._queries[query], params).mappings())
+        except sa.exc.DBAPIError as exc:
+            raise _wrap(exc) from exc
+
+    def _call(self, query: str, params: dict[str, Any]) -> Mapping[str, Any]:
+        with self._autocommit.connect() as conn:
+            return conn.execute(self._queries[query], params).mappings().one()
+
+    def _call_or_wrap(self, query: str, params: dict[str, Any]) -> Mapping[str, Any]:
+        try:
+            return self._call(query, params)
+        except sa.exc.DBAPIError as exc:
+            raise _wrap(exc) from exc
+
+    def _rejected(
+        self,
+        name: str,
+        epoch: int,
+        holder: str,
+        row: Mapping[str, Any],
+        action: str,
+        enforced: bool,
+    ) -> LeaseLostError:
+        """Log and count a rejection the database already recorded; build its error."""
+        reason = row["reason"]
+        owner = _owner(row)
+        self._report(
+            lease_name=name,
+            environment=row["environment"] or "",
+            stale_epoch=epoch,
+            stale_holder=holder,
+            current_epoch=owner.epoch if owner else None,
+            current_holder=owner.holder if owner else None,
+            reason=reason,
+            action=action,
+            enforced=enforced,
+        )
+        return LeaseLostError(
+            f"{action} rejected: lease {name} epoch {epoch} is {reason}"
+            + (f" (current epoch {owner.epoch}, holder {owner.holder})" if owner else ""),
+            lease_name=name,
+            epoch=epoch,
+            owner=owner,
+            reason=reason,
+        )
+
+    def _record_rejection(self, lease: Lease, reason: str, action: str, enforced: bool) -> None:
+        self.record_stale_run(
+            lease.name,
+            epoch=lease.epoch,
+            holder=lease.holder,
+            reason=reason,
+            action=action,
+            environment=lease.environment,
+            enforced=enforced,
+        )
+
+    def _report(self, **fields: Any) -> None:
+        """Log and count one rejection; ``fields`` are a stale-run record's columns."""
+        self.metrics.incr(f"rejected.{fields['reason']}")
+        stale_log.warning(
+            "stale %s %s: lease %s epoch %s held by %s is %s (current epoch %s, holder %s)",
+            fields["action"],
+            "rejected" if fields["enforced"] else "would be rejected (shadow mode)",
+            fields["lease_name"],
+            fields["stale_epoch"],
+            fields["stale_holder"],
+            fields["reason"],
+            fields["current_epoch"],
+            fields["current_holder"],
+            extra=fields,
+        )

@@ -1,0 +1,61 @@
+"""Input checks that run before any SQL, so bad input never reaches the database."""
+
+from __future__ import annotations
+
+import math
+
+from celery_fence.exceptions import ConfigurationError
+
+MAX_NAME_LENGTH = 200
+MAX_ENVIRONMENT_LENGTH = 64
+MAX_TEXT_LENGTH = 500
+MAX_TTL_SECONDS = 86_400.0
+MAX_HOLD_SECONDS = 7 * 86_400.0
+
+
+def check_text(value: object, what: str, *, max_length: int, allow_empty: bool = False) -> str:
+    """Return ``value`` if it is printable text of an allowed length, else raise."""
+    if not isinstance(value, str):
+        raise ConfigurationError(f"{what} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ConfigurationError(f"{what} must not be empty")
+    if len(value) > max_length:
+        raise ConfigurationError(f"{what} must be at most {max_length} characters, got {len(value)}")
+    if not value.isprintable():
+        raise ConfigurationError(f"{what} must be printable text, got {value!r}")
+    if value != value.strip():
+        raise ConfigurationError(f"{what} must not start or end with whitespace, got {value!r}")
+    return value
+
+
+def check_name(value: object) -> str:
+    return check_text(value, "lease name", max_length=MAX_NAME_LENGTH)
+
+
+def check_holder(value: object) -> str:
+    return check_text(value, "holder", max_length=MAX_NAME_LENGTH)
+
+
+def check_environment(value: object) -> str:
+    return check_text(value, "environment", max_length=MAX_ENVIRONMENT_LENGTH)
+
+
+def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 0.0) -> float:
+    """Return ``value`` as float seconds if finite and within ``(minimum, maximum]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds):
+        raise ConfigurationError(f"{what} must be finite, got {value!r}")
+    if seconds <= minimum:
+        raise ConfigurationError(f"{what} must be greater than {minimum:g} seconds, got {value!r}")
+    if seconds > maximum:
+        raise ConfigurationError(f"{what} must be at most {maximum:g} seconds, got {value!r}")
+    return seconds
+
+
+def check_fraction(value: object, what: str) -> float:
+    """Return ``value`` if it is a number in ``[0, 1)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigurationError(f"{what} must be a number in [0, 1), got {value!r}")
+    return float(value)

@@ -1,0 +1,410 @@
+-- celery-fence protocol functions. Replaced on every install; any client may call them.
+-- Times come from clock_timestamp(), read after the statement holds the row it decides on,
+-- unless the caller passes p_now (tests drive an injected clock through it).
+
+CREATE OR REPLACE FUNCTION celery_fence.state_of(p_row celery_fence.leases, p_now timestamptz)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN p_row.name IS NULL THEN 'missing'
+        WHEN p_row.paused THEN 'paused'
+        WHEN p_row.released_at IS NOT NULL THEN 'released'
+        WHEN p_row.expires_at <= p_now THEN 'expired'
+        ELSE 'held'
+    END
+$$;
+
+-- Why (epoch, token) no longer holds p_row; NULL when it still does.
+CREATE OR REPLACE FUNCTION celery_fence.stale_reason(
+    p_row celery_fence.leases, p_epoch bigint, p_token uuid, p_now timestamptz
+) RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN p_row.name IS NULL THEN 'missing'
+        WHEN p_epoch IS NULL OR p_epoch > p_row.epoch THEN 'forged'
+        WHEN p_epoch < p_row.epoch THEN 'superseded'
+        WHEN p_token IS DISTINCT FROM p_row.token THEN 'forged'
+        WHEN p_row.paused THEN 'paused'
+        WHEN p_row.released_at IS NOT NULL THEN 'released'
+        WHEN p_row.expires_at <= p_now THEN 'expired'
+    END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.answer_of(
+    p_outcome text, p_reason text, p_row celery_fence.leases, p_with_token boolean, p_now timestamptz
+) RETURNS celery_fence.answer LANGUAGE sql STABLE AS $$
+    SELECT ROW(
+        p_outcome, p_reason, p_row.name, p_row.environment, p_row.holder, p_row.purpose,
+        p_row.epoch, CASE WHEN p_with_token THEN p_row.token END,
+        p_row.acquired_at, p_row.renewed_at, p_row.expires_at, p_row.hold_until, p_row.released_at,
+        p_row.paused, p_row.paused_reason, p_row.paused_by, p_row.paused_at,
+        celery_fence.state_of(p_row, p_now),
+        extract(epoch FROM p_row.expires_at - p_now)::double precision
+    )::celery_fence.answer
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
+    p_name text, p_holder text, p_ttl interval, p_max_hold interval
+) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_name IS NULL OR length(p_name) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'celery_fence: lease name must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_holder IS NULL OR length(p_holder) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'celery_fence: holder must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_ttl IS NULL OR p_ttl <= interval '0' OR p_ttl > interval '1 day' THEN
+        RAISE EXCEPTION 'celery_fence: ttl must be positive and at most 1 day, got %', p_ttl
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_max_hold IS NOT NULL AND (p_max_hold < p_ttl OR p_max_hold > interval '7 days') THEN
+        RAISE EXCEPTION 'celery_fence: max_hold must be between ttl and 7 days, got %', p_max_hold
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.record_stale_run(
+    p_name text, p_epoch bigint, p_holder text, p_reason text, p_action text,
+    p_environment text DEFAULT NULL, p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.stale_runs LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_record celery_fence.stale_runs;
+BEGIN
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    INSERT INTO celery_fence.stale_runs AS s (
+        recorded_at, environment, lease_name, stale_epoch, stale_holder,
+        current_epoch, current_holder, reason, action, enforced
+    ) VALUES (
+        coalesce(p_now, clock_timestamp()), coalesce(v_row.environment, p_environment, ''), p_name,
+        p_epoch, p_holder, v_row.epoch, v_row.holder, p_reason, p_action, p_enforced
+    ) RETURNING s.* INTO v_record;
+    RETURN v_record;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.acquire(
+    p_name text,
+    p_environment text,
+    p_holder text,
+    p_ttl interval,
+    p_max_hold interval DEFAULT NULL,
+    p_purpose text DEFAULT '',
+    p_lock_timeout interval DEFAULT interval '2 seconds',
+    p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer
+LANGUAGE plpgsql VOLATILE
+SET lock_timeout = '2s'
+AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_new celery_fence.leases;
+    v_now timestamptz;
+    v_hold interval := coalesce(p_max_hold, greatest(p_ttl, interval '1 day'));
+BEGIN
+    PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
+    PERFORM set_config(
+        'lock_timeout', (extract(epoch FROM p_lock_timeout) * 1000)::bigint::text, true
+    );
+    FOR attempt IN 1..5 LOOP
+        -- Look before locking: a valid or paused lease is answered without writing anything.
+        v_row := NULL;
+        SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+        v_now := coalesce(p_now, clock_timestamp());
+        IF v_row.name IS NOT NULL THEN
+            IF v_row.paused THEN
+                RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
+            END IF;
+            IF v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
+                RETURN celery_fence.answer_of('held', NULL, v_row, false, v_now);
+            END IF;
+            -- The lease looked free. The update re-checks on the newest row version after any
+            -- row-lock wait, with the clock read at that moment.
+            UPDATE celery_fence.leases AS l SET
+                environment = p_environment,
+                holder = p_holder,
+                purpose = coalesce(p_purpose, ''),
+                epoch = l.epoch + 1,
+                token = gen_random_uuid(),
+                acquired_at = coalesce(p_now, clock_timestamp()),
+                renewed_at = coalesce(p_now, clock_timestamp()),
+                expires_at = coalesce(p_now, clock_timestamp()) + p_ttl,
+                hold_until = coalesce(p_now, clock_timestamp()) + v_hold,
+                released_at = NULL
+            WHERE l.name = p_name
+              AND NOT l.paused
+              AND (l.released_at IS NOT NULL OR l.expires_at <= coalesce(p_now, clock_timestamp()))
+            RETURNING l.* INTO v_new;
+            IF v_new.name IS NOT NULL THEN
+                UPDATE celery_fence.lease_history AS h SET
+                    ended_at = CASE WHEN v_row.epoch = v_new.epoch - 1
+                                    THEN v_row.expires_at ELSE v_new.acquired_at END,
+                    end_reason = 'expired'
+                WHERE h.name = p_name AND h.epoch < v_new.epoch AND h.ended_at IS NULL;
+            END IF;
+        ELSE
+            INSERT INTO celery_fence.leases AS l (
+                name, environment, holder, purpose, epoch, token,
+                acquired_at, renewed_at, expires_at, hold_until
+            ) VALUES (
+                p_name, p_environment, p_holder, coalesce(p_purpose, ''), 1, gen_random_uuid(),
+                v_now, v_now, v_now + p_ttl, v_now + v_hold
+            )
+            ON CONFLICT (name) DO NOTHING
+            RETURNING l.* INTO v_new;
+        END IF;
+        IF v_new.name IS NOT NULL THEN
+            INSERT INTO celery_fence.lease_history (
+                name, epoch, environment, holder, purpose, acquired_at
+            ) VALUES (
+                v_new.name, v_new.epoch, v_new.environment, v_new.holder, v_new.purpose,
+                v_new.acquired_at
+            );
+            RETURN celery_fence.answer_of('acquired', NULL, v_new, true, v_new.acquired_at);
+        END IF;
+        -- Another acquirer changed the row first; look again with a fresh snapshot.
+    END LOOP;
+    v_row := NULL;
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    RETURN celery_fence.answer_of('busy', NULL, v_row, false, coalesce(p_now, clock_timestamp()));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.renew(
+    p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_reason text;
+BEGIN
+    PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
+    UPDATE celery_fence.leases AS l SET
+        renewed_at = coalesce(p_now, clock_timestamp()),
+        expires_at = greatest(
+            l.expires_at, least(coalesce(p_now, clock_timestamp()) + p_ttl, l.hold_until)
+        )
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+      AND l.released_at IS NULL AND NOT l.paused
+      AND l.expires_at > coalesce(p_now, clock_timestamp())
+    RETURNING l.* INTO v_row;
+    IF v_row.name IS NOT NULL THEN
+        RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
+    END IF;
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    v_reason := coalesce(
+        celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp())),
+        'expired'
+    );
+    PERFORM celery_fence.record_stale_run(
+        p_name, p_epoch, p_holder, v_reason, 'renew', NULL, p_enforced, p_now
+    );
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, coalesce(p_now, clock_timestamp()));
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.release(
+    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_reason text;
+BEGIN
+    UPDATE celery_fence.leases AS l SET
+        released_at = coalesce(p_now, clock_timestamp()),
+        expires_at = least(l.expires_at, coalesce(p_now, clock_timestamp()))
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+      AND l.released_at IS NULL
+      AND l.expires_at > coalesce(p_now, clock_timestamp())
+    RETURNING l.* INTO v_row;
+    IF v_row.name IS NOT NULL THEN
+        UPDATE celery_fence.lease_history AS h
+        SET ended_at = v_row.released_at, end_reason = 'released'
+        WHERE h.name = p_name AND h.epoch = p_epoch;
+        PERFORM pg_notify('celery_fence_released', p_name);
+        RETURN celery_fence.answer_of('released', NULL, v_row, false, v_row.released_at);
+    END IF;
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp()));
+    IF v_reason = 'released' THEN
+        -- Releasing twice is harmless.
+        RETURN celery_fence.answer_of('released', NULL, v_row, false, coalesce(p_now, clock_timestamp()));
+    END IF;
+    v_reason := coalesce(v_reason, 'expired');
+    PERFORM celery_fence.record_stale_run(
+        p_name, p_epoch, p_holder, v_reason, 'release', NULL, p_enforced, p_now
+    );
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, coalesce(p_now, clock_timestamp()));
+END
+$$;
+
+-- Lock the lease row FOR SHARE in the caller's transaction and say whether (epoch, token) still
+-- holds it. While the caller's transaction lasts, no acquisition can replace the lease.
+CREATE OR REPLACE FUNCTION celery_fence.check_fence(
+    p_name text, p_epoch bigint, p_token uuid, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_now timestamptz;
+    v_reason text;
+BEGIN
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR SHARE;
+    v_now := coalesce(p_now, clock_timestamp());
+    v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, v_now);
+    RETURN celery_fence.answer_of(
+        CASE WHEN v_reason IS NULL THEN 'held' ELSE 'stale' END, v_reason, v_row, false, v_now
+    );
+END
+$$;
+
+-- check_fence that aborts the caller's transaction when the lease is no longer held.
+CREATE OR REPLACE FUNCTION celery_fence.fence(
+    p_name text, p_epoch bigint, p_token uuid, p_now timestamptz DEFAULT NULL
+) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_answer celery_fence.answer;
+BEGIN
+    v_answer := celery_fence.check_fence(p_name, p_epoch, p_token, p_now);
+    IF v_answer.reason IS NOT NULL THEN
+        RAISE EXCEPTION 'celery_fence: stale epoch (%) for lease %: epoch % is no longer held',
+            v_answer.reason, p_name, p_epoch
+            USING ERRCODE = 'CF001',
+                  DETAIL = format('current epoch %s held by %s', v_answer.epoch, v_answer.holder),
+                  HINT = 'Roll back, then record it with celery_fence.record_stale_run().';
+    END IF;
+    RETURN p_epoch;
+END
+$$;
+
+-- The message a header proof signs: lease, epoch, holder and mode, one per line.
+CREATE OR REPLACE FUNCTION celery_fence.proof_message(
+    p_name text, p_epoch bigint, p_holder text, p_mode text
+) RETURNS bytea LANGUAGE sql IMMUTABLE AS $$
+    SELECT convert_to(concat_ws(E'\n', p_name, p_epoch::text, p_holder, p_mode), 'UTF8')
+$$;
+
+-- A continuation (a task published from inside a fenced run) takes up the lease at the epoch it
+-- was published under, proving it with HMAC-SHA256(token, proof_message) so that the token never
+-- travels. Mode 'resume' (retries and children of a fenced task) shares the lease while it is
+-- held and takes it back when it was released or expired with no newer epoch; mode 'join' (tasks
+-- dispatched by a fenced beat) only shares a lease that is still held. Rejections are recorded.
+CREATE OR REPLACE FUNCTION celery_fence.rejoin(
+    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
+    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_reason text;
+    v_now timestamptz;
+BEGIN
+    PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
+    IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
+        RAISE EXCEPTION 'celery_fence: mode must be join or resume, got %', p_mode
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_mode = 'resume' THEN
+        SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
+    ELSE
+        SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    END IF;
+    v_now := coalesce(p_now, clock_timestamp());
+    v_reason := celery_fence.stale_reason(v_row, p_epoch, v_row.token, v_now);
+    IF v_row.name IS NOT NULL AND p_epoch = v_row.epoch AND (
+        p_proof IS NULL OR p_holder IS DISTINCT FROM v_row.holder
+        OR p_proof <> celery_fence.hmac_sha256(
+            uuid_send(v_row.token), celery_fence.proof_message(p_name, p_epoch, p_holder, p_mode))
+    ) THEN
+        v_reason := 'forged';
+    ELSIF v_reason IN ('released', 'expired') AND p_mode = 'resume' AND v_row.hold_until > v_now THEN
+        v_reason := NULL;
+    END IF;
+    IF v_reason IS NOT NULL THEN
+        PERFORM celery_fence.record_stale_run(
+            p_name, p_epoch, p_holder, v_reason, p_action, NULL, p_enforced, p_now
+        );
+        RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
+    END IF;
+    IF p_mode = 'join' THEN
+        RETURN celery_fence.answer_of('held', NULL, v_row, true, v_now);
+    END IF;
+    UPDATE celery_fence.leases AS l SET
+        renewed_at = v_now,
+        released_at = NULL,
+        expires_at = greatest(
+            CASE WHEN l.released_at IS NULL THEN l.expires_at END,
+            least(v_now + p_ttl, l.hold_until)
+        )
+    WHERE l.name = p_name
+    RETURNING l.* INTO v_row;
+    RETURN celery_fence.answer_of('held', NULL, v_row, true, v_now);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.pause(
+    p_name text, p_reason text, p_by text, p_environment text DEFAULT '',
+    p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+BEGIN
+    INSERT INTO celery_fence.leases AS l (
+        name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
+        expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
+    ) VALUES (
+        p_name, p_environment, '', '', 0, gen_random_uuid(), v_now, v_now,
+        v_now, v_now, v_now, true, p_reason, p_by, v_now
+    )
+    ON CONFLICT (name) DO UPDATE SET
+        paused = true, paused_reason = excluded.paused_reason,
+        paused_by = excluded.paused_by, paused_at = excluded.paused_at
+    RETURNING l.* INTO v_row;
+    RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.resume(p_name text, p_now timestamptz DEFAULT NULL)
+RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_row celery_fence.leases;
+BEGIN
+    UPDATE celery_fence.leases AS l SET
+        paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL
+    WHERE l.name = p_name
+    RETURNING l.* INTO v_row;
+    RETURN celery_fence.answer_of(
+        CASE WHEN v_row.name IS NULL THEN 'missing' ELSE 'resumed' END,
+        NULL, v_row, false, coalesce(p_now, clock_timestamp())
+    );
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.owner(p_name text, p_now timestamptz DEFAULT NULL)
+RETURNS celery_fence.answer LANGUAGE sql STABLE AS $$
+    SELECT celery_fence.answer_of('read', NULL, l, false, coalesce(p_now, clock_timestamp()))
+    FROM celery_fence.leases l WHERE l.name = p_name
+$$;
+
+-- HMAC-SHA256 (RFC 2104) on the built-in sha256(), so that any client can check a header proof.
+CREATE OR REPLACE FUNCTION celery_fence.hmac_sha256(p_key bytea, p_message bytea)
+RETURNS bytea LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+DECLARE
+    v_key bytea := p_key;
+    v_inner bytea;
+    v_outer bytea;
+BEGIN
+    IF length(v_key) > 64 THEN
+        v_key := sha256(v_key);
+    END IF;
+    v_key := v_key || decode(repeat('00', 64 - length(v_key)), 'hex');
+    v_inner := v_key;
+    v_outer := v_key;
+    FOR i IN 0..63 LOOP
+        v_inner := set_byte(v_inner, i, get_byte(v_key, i) # 54);
+        v_outer := set_byte(v_outer, i, get_byte(v_key, i) # 92);
+    END LOOP;
+    RETURN sha256(v_outer || sha256(v_inner || p_message));
+END
+$$;
