@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Literal
 from uuid import UUID
 
-Outcome = Literal["acquired", "held", "busy", "paused"]
+Outcome = Literal["acquired", "held", "busy", "paused", "joined", "resumed"]
 LeaseState = Literal["held", "expired", "released", "paused"]
 
 

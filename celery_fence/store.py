@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -88,7 +88,7 @@ def _wrap(exc: sa.exc.DBAPIError) -> FenceDatabaseError | ConfigurationError:
     return FenceDatabaseError(f"database error: {detail}")
 
 
-def _owner(row: Mapping[str, Any]) -> Owner | None:
+def _owner(row: sa.RowMapping) -> Owner | None:
     if row["name"] is None:
         return None
     return Owner(**{key: row[key] for key in _OWNER_FIELDS})
@@ -180,12 +180,13 @@ class LeaseStore:
         ``owner`` is the current owner as committed at the moment of the decision; ``outcome``
         is ``"busy"`` when fenced writers kept the row locked past ``lock_timeout``.
         """
+        ttl_seconds = self._ttl(ttl)
         params = {
             "name": validation.check_name(name),
             "holder": validation.check_holder(holder),
             "environment": self._environment(environment),
-            "ttl": self._ttl(ttl),
-            "max_hold": self._max_hold(max_hold, ttl),
+            "ttl": ttl_seconds,
+            "max_hold": self._max_hold(max_hold, ttl_seconds),
             "purpose": validation.check_text(
                 purpose, "purpose", max_length=validation.MAX_TEXT_LENGTH, allow_empty=True
             ),
@@ -213,7 +214,7 @@ class LeaseStore:
                 owner=owner,
                 reason="paused",
             )
-        lease = self._lease(row, started, params["ttl"]) if outcome == "acquired" else None
+        lease = self._lease(row, started, ttl_seconds) if outcome == "acquired" else None
         if lease is not None:
             log.info(
                 "lease %s acquired by %s at epoch %d",
@@ -285,11 +286,14 @@ class LeaseStore:
         ttl: float,
         action: str,
         enforce: bool = True,
-    ) -> Lease:
+    ) -> Acquisition:
         """Take up a lease at the epoch a continuation was published under (see
-        ``celery_fence.rejoin`` in the SQL reference). Raises :class:`LeaseLostError` when a
-        newer epoch exists, the lease is paused, or the proof does not match; the database
-        records the stale run."""
+        ``celery_fence.rejoin`` in the SQL reference): ``outcome`` is ``"joined"`` when the
+        lease is shared with a run still holding it, ``"resumed"`` when this call took it back
+        after a release or expiry with no newer epoch (the caller then releases it when done).
+
+        Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused or past its
+        maximum hold, or the proof does not match; the database records the stale run."""
         try:
             proof_bytes = bytes.fromhex(proof)
         except ValueError as exc:
@@ -310,9 +314,11 @@ class LeaseStore:
                 "now": self._now(),
             },
         )
-        if row["outcome"] != "held":
+        if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(name, epoch, holder, row, action, enforce)
-        return self._lease(row, started, ttl_seconds)
+        return Acquisition(
+            outcome=row["outcome"], lease=self._lease(row, started, ttl_seconds), owner=_owner(row)
+        )
 
     @contextmanager
     def guard(
@@ -335,14 +341,18 @@ class LeaseStore:
             self._record_rejection(lease, "expired", action, enforce)
             if enforce:
                 raise StaleEpochError(
-                    f"lease {lease.name} epoch {lease.epoch} passed its deadline "
-                    f"before {action!r}",
+                    f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
                     lease_name=lease.name,
                     epoch=lease.epoch,
                     reason="expired",
                 )
         yield lease
-        params = {"name": lease.name, "epoch": lease.epoch, "token": lease.token, "now": self._now()}
+        params = {
+            "name": lease.name,
+            "epoch": lease.epoch,
+            "token": lease.token,
+            "now": self._now(),
+        }
         if not enforce:
             row = conn.execute(self._queries["check_fence"], params).mappings().one()
             if row["reason"] is not None:
@@ -502,7 +512,7 @@ class LeaseStore:
             raise ConfigurationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
         return limit
 
-    def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:
+    def _lease(self, row: sa.RowMapping, started: float, ttl: float) -> Lease:
         trusted_for = max(0.0, float(row["remaining"])) * (1.0 - self.safety_margin)
         return Lease(
             name=row["name"],
@@ -518,18 +528,18 @@ class LeaseStore:
             deadline=started + trusted_for,
         )
 
-    def _rows(self, query: str, params: dict[str, Any]) -> list[Mapping[str, Any]]:
+    def _rows(self, query: str, params: dict[str, Any]) -> list[sa.RowMapping]:
         try:
             with self._autocommit.connect() as conn:
                 return list(conn.execute(self._queries[query], params).mappings())
         except sa.exc.DBAPIError as exc:
             raise _wrap(exc) from exc
 
-    def _call(self, query: str, params: dict[str, Any]) -> Mapping[str, Any]:
+    def _call(self, query: str, params: dict[str, Any]) -> sa.RowMapping:
         with self._autocommit.connect() as conn:
             return conn.execute(self._queries[query], params).mappings().one()
 
-    def _call_or_wrap(self, query: str, params: dict[str, Any]) -> Mapping[str, Any]:
+    def _call_or_wrap(self, query: str, params: dict[str, Any]) -> sa.RowMapping:
         try:
             return self._call(query, params)
         except sa.exc.DBAPIError as exc:
@@ -540,7 +550,7 @@ class LeaseStore:
         name: str,
         epoch: int,
         holder: str,
-        row: Mapping[str, Any],
+        row: sa.RowMapping,
         action: str,
         enforced: bool,
     ) -> LeaseLostError:

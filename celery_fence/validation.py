@@ -20,7 +20,9 @@ def check_text(value: object, what: str, *, max_length: int, allow_empty: bool =
     if not value and not allow_empty:
         raise ConfigurationError(f"{what} must not be empty")
     if len(value) > max_length:
-        raise ConfigurationError(f"{what} must be at most {max_length} characters, got {len(value)}")
+        raise ConfigurationError(
+            f"{what} must be at most {max_length} characters, got {len(value)}"
+        )
     if not value.isprintable():
         raise ConfigurationError(f"{what} must be printable text, got {value!r}")
     if value != value.strip():

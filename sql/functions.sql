@@ -288,8 +288,9 @@ $$;
 -- A continuation (a task published from inside a fenced run) takes up the lease at the epoch it
 -- was published under, proving it with HMAC-SHA256(token, proof_message) so that the token never
 -- travels. Mode 'resume' (retries and children of a fenced task) shares the lease while it is
--- held and takes it back when it was released or expired with no newer epoch; mode 'join' (tasks
--- dispatched by a fenced beat) only shares a lease that is still held. Rejections are recorded.
+-- held (outcome 'joined') and takes it back when it was released or expired with no newer epoch
+-- (outcome 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a lease that
+-- is still held, without extending it. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -298,6 +299,7 @@ DECLARE
     v_row celery_fence.leases;
     v_reason text;
     v_now timestamptz;
+    v_took_back boolean;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
@@ -327,8 +329,9 @@ BEGIN
         RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;
     IF p_mode = 'join' THEN
-        RETURN celery_fence.answer_of('held', NULL, v_row, true, v_now);
+        RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
+    v_took_back := v_row.released_at IS NOT NULL OR v_row.expires_at <= v_now;
     UPDATE celery_fence.leases AS l SET
         renewed_at = v_now,
         released_at = NULL,
@@ -338,7 +341,9 @@ BEGIN
         )
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
-    RETURN celery_fence.answer_of('held', NULL, v_row, true, v_now);
+    RETURN celery_fence.answer_of(
+        CASE WHEN v_took_back THEN 'resumed' ELSE 'joined' END, NULL, v_row, true, v_now
+    );
 END
 $$;
 

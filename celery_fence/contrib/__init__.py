@@ -1,0 +1,1 @@
+"""Framework integrations; the core never imports them."""

@@ -1,0 +1,585 @@
+"""Fenced Celery tasks: one lease per run, acquired at execution time, fenced writes under it."""
+
+from __future__ import annotations
+
+import inspect
+import socket
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import datetime, timezone
+from typing import Any, Literal, NoReturn
+
+from celery import Celery, Task, bootsteps, signals
+from celery.exceptions import Ignore
+
+from celery_fence import validation
+from celery_fence.exceptions import (
+    ConfigurationError,
+    FenceError,
+    LeaseError,
+    LeaseHeldError,
+    LeaseLostError,
+    LeasePausedError,
+)
+from celery_fence.keeper import LeaseKeeper
+from celery_fence.models import Acquisition, Lease
+from celery_fence.observe import log
+from celery_fence.store import Executor, LeaseStore
+
+from .headers import HEADER, FenceHeader, MalformedHeaderError
+from .settings import FenceSettings, check_timing
+
+#: Result states a fenced task ends in when it did not run its body.
+SKIPPED = "SKIPPED"
+REJECTED = "REJECTED"
+
+RunMode = Literal["owner", "resume", "join"]
+_current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
+_fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
+
+
+class FencedRun:
+    """One execution of a fenced task: the lease it runs under and how it came by it.
+
+    ``mode`` is ``owner`` (this run acquired the lease), ``resume`` (a retry or child of a
+    fenced run, at its publisher's epoch) or ``join`` (a task dispatched by a fenced beat, under
+    the scheduler's epoch). ``lease`` is ``None`` only in shadow mode, when the run goes ahead
+    without the lease it would otherwise have been refused.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: LeaseStore,
+        mode: RunMode,
+        enforced: bool,
+        lease: Lease | None = None,
+        keeper: LeaseKeeper | None = None,
+        release_at_end: bool = False,
+        min_hold: float = 0.0,
+    ) -> None:
+        self.store = store
+        self.mode = mode
+        self.enforced = enforced
+        self.keeper = keeper
+        self.release_at_end = release_at_end
+        self.min_hold = min_hold
+        self._lease = lease
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease as last renewed."""
+        return self.keeper.lease if self.keeper is not None else self._lease
+
+    @property
+    def epoch(self) -> int | None:
+        lease = self.lease
+        return None if lease is None else lease.epoch
+
+    @property
+    def held(self) -> bool:
+        """The cooperative check: false once renewal found the lease lost or its deadline passed."""
+        if self.keeper is not None:
+            return self.keeper.held
+        return self._lease is not None and self._lease.trusted
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` if the lease can no longer be trusted."""
+        lease = self.lease
+        if lease is None or self.held:
+            return
+        if self.keeper is not None and self.keeper.error is not None:
+            raise self.keeper.error
+        raise LeaseLostError(
+            f"lease {lease.name} epoch {lease.epoch} passed its deadline",
+            lease_name=lease.name,
+            epoch=lease.epoch,
+            reason="expired",
+        )
+
+    @contextmanager
+    def guard(self, action: str, conn: Executor | None = None) -> Iterator[Executor]:
+        """Fence the writes made in the block (see :meth:`LeaseStore.guard`).
+
+        Without ``conn``, a transaction on the fence database is opened and yielded; with a
+        SQLAlchemy ``Connection`` or ``Session`` of your own, its current transaction is fenced.
+        """
+        lease = self.lease
+        if conn is None:
+            with self.store.engine.begin() as own, self._guard(lease, own, action):
+                yield own
+        else:
+            with self._guard(lease, conn, action):
+                yield conn
+
+    @contextmanager
+    def _guard(self, lease: Lease | None, conn: Executor, action: str) -> Iterator[None]:
+        if lease is None:
+            log.info("shadow mode: %r runs unfenced (no lease was granted)", action)
+            yield
+            return
+        with self.store.guard(lease, conn, action=action, enforce=self.enforced):
+            yield
+
+    def header(self) -> FenceHeader | None:
+        """The header tasks published from this run carry."""
+        lease = self.lease
+        if lease is None:
+            return None
+        return FenceHeader.for_lease(lease, "join" if self.mode == "join" else "resume")
+
+
+def current_run() -> FencedRun | None:
+    """The fenced run executing in this thread, if any."""
+    return _current.get()
+
+
+def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    run = _current.get()
+    if run is None or headers is None:
+        return
+    header = run.header()
+    if header is not None:
+        headers[HEADER] = header.to_message()
+
+
+signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celery_fence.header")
+
+
+class FenceWorkerStep(bootsteps.Step):  # type: ignore[misc]
+    """Checks the fence settings, every fenced task's timings and the schema at worker start."""
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        Fence.of(worker.app).check_startup()
+
+
+class Fence:
+    """celery-fence for one Celery app: settings, the lease store and the task decorator.
+
+    ``store`` overrides the store built from ``fence_database_url`` (tests pass one with an
+    injected clock).
+    """
+
+    def __init__(self, app: Celery, *, store: LeaseStore | None = None) -> None:
+        self.app = app
+        self._store = store
+        self._keeper_store: LeaseStore | None = None
+        self._settings: FenceSettings | None = None
+        self._lock = threading.Lock()
+        _fences[app] = self
+        app.steps["worker"].add(FenceWorkerStep)
+        signals.worker_process_init.connect(self._after_fork, weak=False)
+
+    @classmethod
+    def of(cls, app: Celery) -> Fence:
+        """The app's Fence, created on first use."""
+        return _fences.get(app) or cls(app)
+
+    # -- configuration ----------------------------------------------------------------------
+
+    @property
+    def settings(self) -> FenceSettings:
+        if self._settings is None:
+            self._settings = FenceSettings.from_conf(self.app.conf)
+        return self._settings
+
+    @property
+    def store(self) -> LeaseStore:
+        with self._lock:
+            if self._store is None:
+                settings = self.settings
+                if settings.database_url is None:
+                    raise ConfigurationError(
+                        "set fence_database_url in the Celery configuration "
+                        "(e.g. postgresql://user@host/db)"
+                    )
+                self._store = LeaseStore.from_url(
+                    settings.database_url,
+                    max_ttl=settings.max_ttl,
+                    lock_timeout=settings.lock_timeout,
+                    safety_margin=settings.safety_margin,
+                    default_environment=settings.environment,
+                )
+            return self._store
+
+    @property
+    def keeper_store(self) -> LeaseStore:
+        """A store on a connection of its own for renewals."""
+        store = self.store
+        with self._lock:
+            if self._keeper_store is None:
+                self._keeper_store = store.dedicated()
+            return self._keeper_store
+
+    def check_startup(self) -> None:
+        """Validate settings and fenced tasks, and check the schema answers. Called at worker
+        start; raises :class:`ConfigurationError` or a database error naming the problem."""
+        settings = self.settings
+        for task in self.app.tasks.values():
+            if isinstance(task, FencedTask) and task.fence is self:
+                task.check_timing(settings)
+        self.store.owner("celery-fence:startup-check")
+        log.info(
+            "celery-fence ready: environment %s, enforcement %s",
+            settings.environment,
+            dict(settings.enforcement) or settings.default_enforcement,
+        )
+
+    def _after_fork(self, **_: Any) -> None:
+        for store in (self._store, self._keeper_store):
+            if store is not None:
+                store.engine.dispose(close=False)
+
+    # -- the decorator ----------------------------------------------------------------------
+
+    def task(
+        self,
+        *,
+        lease: str,
+        environment: str | None = None,
+        ttl: float | None = None,
+        max_hold: float | None = None,
+        min_hold: float = 0.0,
+        on_busy: str | None = None,
+        purpose: str = "",
+        renew_interval: float | None = None,
+        **options: Any,
+    ) -> Callable[[Callable[..., Any]], FencedTask]:
+        """Declare a fenced task; ``options`` are Celery's own task options.
+
+        ``lease``, ``environment`` and ``purpose`` are templates filled from the task's
+        arguments (``"release:{environment}"``); ``environment`` defaults to
+        ``fence_environment``. ``on_busy`` is ``skip``, ``retry`` or ``raise`` (default
+        ``fence_on_busy``). ``min_hold`` keeps the lease after the run ends until that many
+        seconds after it was acquired (periodic tasks that must not run twice in one period).
+        """
+        attributes = {
+            "fence": self,
+            "fence_lease": validation.check_text(lease, "lease", max_length=500),
+            "fence_environment": environment,
+            "fence_ttl": ttl,
+            "fence_max_hold": max_hold,
+            "fence_min_hold": min_hold
+            and validation.check_seconds(min_hold, "min_hold", maximum=validation.MAX_HOLD_SECONDS),
+            "fence_on_busy": on_busy,
+            "fence_purpose": purpose,
+            "fence_renew_interval": renew_interval,
+        }
+        if on_busy is not None and on_busy not in ("skip", "retry", "raise"):
+            raise ConfigurationError(f"on_busy must be skip, retry or raise; got {on_busy!r}")
+        decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
+            base=FencedTask, **attributes, **options
+        )
+        return decorator
+
+    # -- inside a run -----------------------------------------------------------------------
+
+    def current(self) -> FencedRun:
+        """The fenced run executing in this thread; raises :class:`FenceError` outside one."""
+        run = _current.get()
+        if run is None:
+            raise FenceError("no fenced task is running in this thread")
+        return run
+
+    @contextmanager
+    def guard(self, action: str, conn: Executor | None = None) -> Iterator[Executor]:
+        """Shortcut for ``fence.current().guard(action, conn)``."""
+        with self.current().guard(action, conn) as executor:
+            yield executor
+
+    # -- running ----------------------------------------------------------------------------
+
+    def begin(
+        self, task: FencedTask, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> FencedRun | None:
+        """Decide how ``task`` runs: under a new lease, its publisher's epoch, or not at all."""
+        settings = self.settings
+        arguments = task.arguments(args, kwargs)
+        environment = validation.check_environment(
+            _fill(task.fence_environment, arguments, "environment")
+            if task.fence_environment
+            else settings.environment
+        )
+        enforcement = settings.enforcement_for(environment)
+        if enforcement == "off":
+            return None
+        enforced = enforcement == "enforce"
+        header = _header_of(task.request)
+        if header is not None:
+            return self._continue(task, header, environment, enforced)
+        return self._acquire(task, arguments, environment, enforced)
+
+    def end(self, run: FencedRun) -> None:
+        """Stop renewing; release the lease if this run holds it and need not keep it."""
+        if run.keeper is not None:
+            run.keeper.stop()
+        lease = run.lease
+        if lease is None or not run.release_at_end:
+            return
+        if run.min_hold > 0:
+            held_for = (datetime.now(timezone.utc) - lease.acquired_at).total_seconds()
+            if held_for < run.min_hold:
+                log.info(
+                    "keeping lease %s until its minimum hold of %gs has passed",
+                    lease.name,
+                    run.min_hold,
+                    extra={"lease": lease.name, "epoch": lease.epoch},
+                )
+                return
+        try:
+            self.store.release(lease)
+        except LeaseLostError:
+            pass  # already logged, counted and recorded by the store
+        except FenceError as exc:
+            log.warning("could not release lease %s (it will expire): %s", lease.name, exc)
+
+    def _acquire(
+        self, task: FencedTask, arguments: Mapping[str, Any], environment: str, enforced: bool
+    ) -> FencedRun:
+        settings = self.settings
+        name = _fill(task.fence_lease, arguments, "lease")
+        ttl = max(task.fence_ttl or settings.default_ttl, task.fence_min_hold)
+        try:
+            got = self.store.acquire(
+                name,
+                holder=task.holder(),
+                ttl=ttl,
+                environment=environment,
+                max_hold=task.fence_max_hold or settings.max_hold,
+                purpose=_fill(task.fence_purpose, arguments, "purpose"),
+            )
+        except LeasePausedError as exc:
+            got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
+        if got.lease is None:
+            if not enforced:
+                log.warning(
+                    "shadow mode: %s would have been refused lease %s (%s); running anyway",
+                    task.name,
+                    name,
+                    got.outcome,
+                    extra={"lease": name, "outcome": got.outcome},
+                )
+                self.store.metrics.incr(f"shadow.{got.outcome}")
+                return FencedRun(store=self.store, mode="owner", enforced=False)
+            task.refuse(name, got)
+        assert got.lease is not None
+        keeper = LeaseKeeper(
+            got.lease,
+            self.keeper_store.renew,
+            interval=task.renew_interval(settings, ttl),
+        ).start()
+        return FencedRun(
+            store=self.store,
+            mode="owner",
+            enforced=enforced,
+            keeper=keeper,
+            release_at_end=True,
+            min_hold=task.fence_min_hold,
+        )
+
+    def _continue(
+        self, task: FencedTask, value: object, environment: str, enforced: bool
+    ) -> FencedRun:
+        settings = self.settings
+        action = f"start {task.name}"
+        ttl = task.fence_ttl or settings.default_ttl
+        try:
+            header = FenceHeader.from_message(value)
+            got = self.store.rejoin(
+                header.lease,
+                epoch=header.epoch,
+                holder=header.holder,
+                mode=header.mode,
+                proof=header.proof,
+                ttl=ttl,
+                action=action,
+                enforce=enforced,
+            )
+        except MalformedHeaderError as exc:
+            self.store.record_stale_run(
+                exc.lease_name or "(unreadable)",
+                epoch=None,
+                holder=exc.holder or "(unreadable)",
+                reason="malformed",
+                action=action,
+                environment=environment,
+                enforced=enforced,
+            )
+            error = LeaseLostError(
+                str(exc), lease_name=exc.lease_name or "(unreadable)", reason="malformed"
+            )
+            return (
+                task.reject(error)
+                if enforced
+                else FencedRun(store=self.store, mode="resume", enforced=False)
+            )
+        except LeaseLostError as exc:
+            return (
+                task.reject(exc)
+                if enforced
+                else FencedRun(store=self.store, mode="resume", enforced=False)
+            )
+        assert got.lease is not None
+        if header.mode == "join":
+            keeper_store = self.keeper_store
+
+            def refresh(lease: Lease) -> Lease:
+                rejoined = keeper_store.rejoin(
+                    lease.name,
+                    epoch=lease.epoch,
+                    holder=lease.holder,
+                    mode="join",
+                    proof=header.proof,
+                    ttl=ttl,
+                    action=f"check {task.name}",
+                    enforce=enforced,
+                )
+                assert rejoined.lease is not None
+                return rejoined.lease
+
+        else:
+            refresh = self.keeper_store.renew
+        keeper = LeaseKeeper(got.lease, refresh, interval=task.renew_interval(settings, ttl))
+        return FencedRun(
+            store=self.store,
+            mode=header.mode,
+            enforced=enforced,
+            keeper=keeper.start(),
+            release_at_end=got.outcome == "resumed",
+        )
+
+
+class FencedTask(Task):  # type: ignore[misc]
+    """Base class of tasks declared with :meth:`Fence.task`."""
+
+    fence: Fence
+    fence_lease: str
+    fence_environment: str | None = None
+    fence_ttl: float | None = None
+    fence_max_hold: float | None = None
+    fence_min_hold: float = 0.0
+    fence_on_busy: str | None = None
+    fence_purpose: str = ""
+    fence_renew_interval: float | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = self.fence.begin(self, args, kwargs)
+        if run is None:
+            return super().__call__(*args, **kwargs)
+        token = _current.set(run)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            self.fence.end(run)
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The run's arguments by parameter name, defaults included (for the templates)."""
+        try:
+            bound = inspect.signature(self.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(f"{self.name}: {exc}") from exc
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def holder(self) -> str:
+        request = self.request
+        host = request.hostname or socket.gethostname()
+        return f"{self.name}[{request.id or 'direct'}]@{host}"[: validation.MAX_NAME_LENGTH]
+
+    def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
+        return check_timing(
+            ttl,
+            self.fence_renew_interval or settings.renew_interval,
+            settings.safety_margin,
+            self.name,
+        )
+
+    def check_timing(self, settings: FenceSettings) -> None:
+        """Reject timings that cannot work: a TTL above the maximum, a renew interval that
+        cannot keep the lease, a time limit longer than the maximum hold."""
+        ttl = validation.check_seconds(
+            max(self.fence_ttl or settings.default_ttl, self.fence_min_hold),
+            f"{self.name} ttl",
+            maximum=settings.max_ttl,
+        )
+        self.renew_interval(settings, ttl)
+        max_hold = self.fence_max_hold or settings.max_hold
+        time_limit = self.time_limit or self.app.conf.task_time_limit
+        if max_hold is not None and time_limit is not None and time_limit > max_hold:
+            raise ConfigurationError(
+                f"{self.name}: time limit {time_limit:g}s exceeds the lease's maximum hold "
+                f"{max_hold:g}s, so the lease would end before the task could"
+            )
+
+    def refuse(self, name: str, got: Acquisition) -> None:
+        """Apply the busy policy to a refused acquisition: skip, retry or raise."""
+        owner = got.owner
+        policy = self.fence_on_busy or self.fence.settings.on_busy
+        until = owner.expires_at.isoformat() if owner else "unknown"
+        who = f"{owner.holder} (epoch {owner.epoch})" if owner else "unknown"
+        reason = "paused" if got.outcome == "paused" else got.outcome
+        message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
+        if owner is not None and owner.paused:
+            message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
+        error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
+        error = error_cls(message, lease_name=name, owner=owner, reason=reason)
+        self.fence.store.metrics.incr(f"busy.{policy}")
+        if policy == "retry":
+            countdown = 1.0
+            if owner is not None and not owner.paused:
+                remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
+                countdown = min(max(remaining, 0.5), self.fence.settings.max_ttl)
+            log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": name})
+            raise self.retry(
+                countdown=countdown, max_retries=self.fence.settings.busy_max_retries, exc=error
+            )
+        if policy == "raise" or self.request.called_directly:
+            log.info(message, extra={"lease": name})
+            raise error
+        log.info("%s; skipped", message, extra={"lease": name})
+        self._stop(SKIPPED, error)
+
+    def reject(self, error: LeaseLostError) -> NoReturn:
+        """End a continuation whose epoch no longer holds before its body runs."""
+        if self.request.called_directly:
+            raise error
+        self._stop(REJECTED, error)
+
+    def _stop(self, state: str, error: LeaseError) -> NoReturn:
+        owner = error.owner
+        self.update_state(
+            state=state,
+            meta={
+                "lease": error.lease_name,
+                "reason": error.reason,
+                "message": str(error),
+                "epoch": error.epoch,
+                "owner_holder": owner.holder if owner else None,
+                "owner_epoch": owner.epoch if owner else None,
+                "owner_expires_at": owner.expires_at.isoformat() if owner else None,
+            },
+        )
+        raise Ignore(str(error))
+
+
+def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
+    try:
+        return template.format_map(arguments)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigurationError(
+            f"cannot fill the {what} template {template!r} from the task's arguments: {exc!r}"
+        ) from exc
+
+
+def _header_of(request: Any) -> object | None:
+    headers = getattr(request, "headers", None) or {}
+    value: object | None = headers.get(HEADER)
+    return value if value is not None else getattr(request, HEADER, None)
+
+
+__all__ = ["REJECTED", "SKIPPED", "Fence", "FencedRun", "FencedTask", "current_run"]
