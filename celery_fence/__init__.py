@@ -15,12 +15,13 @@ from celery_fence.exceptions import (
     SchemaNotInstalledError,
     StaleEpochError,
 )
-from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
+from celery_fence.models import Acquisition, Dispatch, HistoryEntry, Lease, Owner, StaleRun
 from celery_fence.store import LeaseStore, engine_from_url
 
 __all__ = [
     "Acquisition",
     "ConfigurationError",
+    "Dispatch",
     "FenceDatabaseError",
     "FenceError",
     "HistoryEntry",

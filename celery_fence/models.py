@@ -109,3 +109,16 @@ class HistoryEntry:
     acquired_at: datetime
     ended_at: datetime | None
     end_reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatch:
+    """One schedule slot a fenced scheduler dispatched, under which epoch."""
+
+    schedule: str
+    entry: str
+    slot: datetime
+    task: str
+    epoch: int
+    holder: str
+    dispatched_at: datetime

@@ -23,7 +23,7 @@ from celery_fence.exceptions import (
     SchemaNotInstalledError,
     StaleEpochError,
 )
-from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
+from celery_fence.models import Acquisition, Dispatch, HistoryEntry, Lease, Owner, StaleRun
 from celery_fence.observe import Metrics, log, stale_log
 
 Clock = Callable[[], datetime]
@@ -158,9 +158,21 @@ class LeaseStore:
             with self.engine.begin() as conn:
                 # A plain DB-API execute without parameters: the script's '%' stay literal.
                 conn.connection.cursor().execute(_sql.install_script())
-                return int(conn.exec_driver_sql(_sql.queries()["schema_version"]).scalar_one())
+                return int(conn.execute(self._queries["schema_version"]).scalar_one())
         except sa.exc.DBAPIError as exc:
             raise _wrap(exc) from exc
+
+    def check_schema(self) -> int:
+        """Return the installed schema version; raise :class:`SchemaNotInstalledError` when the
+        schema is missing or older than this package's migrations."""
+        rows = self._rows("schema_version", {})
+        version = rows[0]["version"] if rows else None
+        if version is None or version < _sql.latest_version():
+            raise SchemaNotInstalledError(
+                f"celery-fence schema is at version {version}, this package needs "
+                f"{_sql.latest_version()}; run `celery-fence install`"
+            )
+        return int(version)
 
     # -- the protocol -----------------------------------------------------------------------
 
@@ -344,6 +356,7 @@ class LeaseStore:
                     f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
                     lease_name=lease.name,
                     epoch=lease.epoch,
+                    owner=self.owner(lease.name),
                     reason="expired",
                 )
         yield lease
@@ -415,6 +428,38 @@ class LeaseStore:
             enforced=record.enforced,
         )
         return record
+
+    def claim_slot(self, lease: Lease, *, entry: str, slot: datetime, task: str) -> bool:
+        """Claim one schedule slot for dispatch under ``lease``, in a fenced transaction.
+
+        True the first time a slot of ``entry`` is claimed for the lease's schedule, false ever
+        after, whoever asks; :class:`StaleEpochError` when ``lease`` no longer holds.
+        """
+        params = {
+            "schedule": lease.name,
+            "entry": validation.check_text(entry, "entry", max_length=validation.MAX_TEXT_LENGTH),
+            "slot": slot,
+            "task": validation.check_text(task, "task", max_length=validation.MAX_TEXT_LENGTH),
+            "epoch": lease.epoch,
+            "holder": lease.holder,
+            "now": self._now(),
+        }
+        try:
+            with (
+                self.engine.begin() as conn,
+                self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
+            ):
+                claimed = conn.execute(self._queries["claim_slot"], params).first()
+        except sa.exc.DBAPIError as exc:
+            raise _wrap(exc) from exc
+        return claimed is not None
+
+    def dispatches(self, schedule: str, *, limit: int = 100) -> list[Dispatch]:
+        """Slots dispatched for ``schedule`` (the scheduler's lease name), newest first."""
+        rows = self._rows(
+            "dispatches", {"schedule": validation.check_name(schedule), "limit": self._limit(limit)}
+        )
+        return [Dispatch(**row) for row in rows]
 
     # -- the kill switch --------------------------------------------------------------------
 

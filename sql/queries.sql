@@ -59,4 +59,20 @@ ORDER BY h.epoch DESC
 LIMIT :limit
 
 -- name: schema_version
-SELECT max(version) FROM celery_fence.migrations
+SELECT max(version) AS version FROM celery_fence.migrations
+
+-- name: claim_slot
+INSERT INTO celery_fence.dispatches AS d (
+    schedule, entry, slot, task, epoch, holder, dispatched_at
+) VALUES (
+    :schedule, :entry, :slot, :task, :epoch, :holder,
+    coalesce(CAST(:now AS timestamptz), clock_timestamp())
+)
+ON CONFLICT (schedule, entry, slot) DO NOTHING
+RETURNING d.epoch
+
+-- name: dispatches
+SELECT * FROM celery_fence.dispatches d
+WHERE d.schedule = :schedule
+ORDER BY d.slot DESC, d.entry
+LIMIT :limit

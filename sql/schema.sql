@@ -82,3 +82,14 @@ CREATE TYPE celery_fence.answer AS (
     state         text,
     remaining     double precision
 );
+
+CREATE TABLE celery_fence.dispatches (
+    schedule      text        NOT NULL,
+    entry         text        NOT NULL,
+    slot          timestamptz NOT NULL,
+    task          text        NOT NULL,
+    epoch         bigint      NOT NULL,
+    holder        text        NOT NULL,
+    dispatched_at timestamptz NOT NULL,
+    PRIMARY KEY (schedule, entry, slot)
+);

@@ -222,7 +222,7 @@ class Fence:
         for task in self.app.tasks.values():
             if isinstance(task, FencedTask) and task.fence is self:
                 task.check_timing(settings)
-        self.store.owner("celery-fence:startup-check")
+        self.store.check_schema()
         log.info(
             "celery-fence ready: environment %s, enforcement %s",
             settings.environment,

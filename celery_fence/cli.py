@@ -1,0 +1,797 @@
+"""The ``celery-fence`` command line.
+
+It installs the schema, takes part in the lease protocol as a holder (``acquire``, ``renew``,
+``release``), reads leases, ownership history and stale runs, pauses and resumes a lease, and
+races a canary. Commands that change something print one JSON object on stdout; commands that
+read print a table, or JSON with ``--json``. Errors are one line on stderr and an exit code from
+:class:`ExitCode`: a user's mistake never shows a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import getpass
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, NoReturn, TypeVar
+from uuid import UUID
+
+import click
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from celery_fence import validation
+from celery_fence.exceptions import (
+    ConfigurationError,
+    FenceDatabaseError,
+    FenceError,
+    LeaseLostError,
+    LeasePausedError,
+)
+from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
+from celery_fence.store import LeaseStore
+
+F = TypeVar("F", bound=Callable[..., Any])
+Record = TypeVar("Record")
+
+# renew and release key on (name, epoch, token, holder); a lease the CLI rebuilds from those has
+# no known times, and none of them is sent.
+_UNKNOWN_TIME = datetime.min.replace(tzinfo=timezone.utc)
+_IDENTITY = ("name", "environment", "holder", "epoch", "token", "ttl")
+CANARY_SEED_HOLDER = "canary-seed"
+CANARY_SEED_TTL = 1.0
+BARRIER_TIMEOUT = 60.0
+
+
+class ExitCode(enum.IntEnum):
+    """What the exit status of ``celery-fence`` means.
+
+    ``ERROR``: the database failed, is unreachable or lacks the schema; an unknown lease; a failed
+    canary. ``USAGE``: bad input (an option, an argument, the database URL). ``HELD``: acquire
+    found another holder (``held``, or ``busy`` behind fenced writers). ``PAUSED``: acquire found
+    the lease paused. ``LOST``: renew or release found the lease no longer this holder's.
+    """
+
+    OK = 0
+    ERROR = 1
+    USAGE = 2
+    HELD = 3
+    PAUSED = 4
+    LOST = 5
+
+
+class CommandError(click.ClickException):
+    """One line on stderr (``Error: ...``) and exit code 1."""
+
+    exit_code = ExitCode.ERROR
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.splitlines()))
+
+
+class BadInput(CommandError):
+    exit_code = ExitCode.USAGE
+
+
+class PausedLease(CommandError):
+    exit_code = ExitCode.PAUSED
+
+
+class LostLease(CommandError):
+    exit_code = ExitCode.LOST
+
+
+@dataclasses.dataclass
+class Settings:
+    """The global options; the store is made on first use, so ``install --print`` and
+    ``--help`` need no database."""
+
+    database_url: str | None
+    environment: str
+    _store: LeaseStore | None = dataclasses.field(default=None, init=False)
+
+    def url(self) -> str:
+        if not self.database_url:
+            raise BadInput("no database: pass --database-url or set CELERY_FENCE_DATABASE_URL")
+        try:
+            make_url(self.database_url)
+        except (sa.exc.ArgumentError, ValueError) as exc:
+            # The message names neither the URL nor the parser's detail: both may hold a password.
+            raise BadInput("--database-url is not a valid database URL") from exc
+        return self.database_url
+
+    def store(self) -> LeaseStore:
+        if self._store is None:
+            self._store = LeaseStore.from_url(self.url(), default_environment=self.environment)
+        return self._store
+
+    def where(self) -> str:
+        """The database URL with its password hidden, for error messages."""
+        return make_url(self.url()).render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.engine.dispose()
+
+
+def _command_error(exc: FenceError, settings: Settings) -> CommandError:
+    """The one-line error and exit code for a celery-fence exception."""
+    if isinstance(exc, ConfigurationError):
+        return BadInput(str(exc))
+    if isinstance(exc, FenceDatabaseError):
+        return CommandError(f"{exc} [database {settings.where()}]")
+    if isinstance(exc, LeasePausedError):
+        return PausedLease(str(exc))
+    if isinstance(exc, LeaseLostError):
+        return LostLease(str(exc))
+    return CommandError(str(exc))
+
+
+class FenceGroup(click.Group):
+    """Turns every :class:`FenceError` a command raises into a one-line error."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except FenceError as exc:
+            raise _command_error(exc, ctx.obj) from exc
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def _json_value(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, UUID):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def echo_json(data: object) -> None:
+    """One JSON document on one line: datetimes in ISO 8601, UUIDs as strings."""
+    click.echo(json.dumps(data, default=_json_value))
+
+
+def owner_dict(owner: Owner | None) -> dict[str, Any] | None:
+    return None if owner is None else dataclasses.asdict(owner)
+
+
+def lease_dict(lease: Lease) -> dict[str, Any]:
+    """A held lease with its token (the CLI's caller is the holder). The monotonic deadline
+    means nothing to another process and is left out."""
+    data = dataclasses.asdict(lease)
+    del data["deadline"]
+    return data
+
+
+def acquisition_dict(got: Acquisition) -> dict[str, Any]:
+    return {
+        "outcome": got.outcome,
+        "acquired": got.acquired,
+        "lease": None if got.lease is None else lease_dict(got.lease),
+        "owner": owner_dict(got.owner),
+    }
+
+
+def _cell(value: object) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, datetime):
+        return value.isoformat(timespec="seconds")
+    return str(value)
+
+
+def _report(
+    records: Sequence[Record],
+    *,
+    as_json: bool,
+    columns: Sequence[tuple[str, Callable[[Record], object]]],
+    empty: str,
+) -> None:
+    """Print records as JSON (a list) or as an aligned table with one row each."""
+    if as_json:
+        echo_json([dataclasses.asdict(record) for record in records])  # type: ignore[call-overload]
+        return
+    if not records:
+        click.echo(empty)
+        return
+    rows = [[header for header, _ in columns]]
+    rows += [[_cell(column(record)) for _, column in columns] for record in records]
+    widths = [max(len(row[index]) for row in rows) for index in range(len(columns))]
+    for row in rows:
+        click.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def _exit(code: ExitCode) -> NoReturn:
+    click.get_current_context().exit(code)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+# -- the group ---------------------------------------------------------------------------------
+
+
+@click.group(cls=FenceGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--database-url",
+    envvar="CELERY_FENCE_DATABASE_URL",
+    show_envvar=True,
+    metavar="URL",
+    help="PostgreSQL URL (postgresql:// uses psycopg 3); all but install --print need it.",
+)
+@click.option(
+    "--environment",
+    envvar="CELERY_FENCE_ENVIRONMENT",
+    default="default",
+    show_default=True,
+    show_envvar=True,
+    help="Environment of the leases this command acquires or pauses.",
+)
+@click.version_option(package_name="celery-fence", prog_name="celery-fence")
+@click.pass_context
+def main(ctx: click.Context, database_url: str | None, environment: str) -> None:
+    """PostgreSQL leases with fencing epochs for Celery.
+
+    Exit codes: 0 ok, 1 error, 2 bad input, 3 lease held by another, 4 lease paused,
+    5 lease lost.
+    """
+    settings = Settings(database_url=database_url, environment=environment)
+    ctx.obj = settings
+    ctx.call_on_close(settings.close)
+
+
+@main.command()
+@click.option(
+    "--print", "print_only", is_flag=True, help="Print the SQL instead of running it (no database)."
+)
+@click.pass_obj
+def install(settings: Settings, print_only: bool) -> None:
+    """Create or upgrade the schema (idempotent) and print its version."""
+    if print_only:
+        click.echo(LeaseStore.install_script(), nl=False)
+        return
+    version = settings.store().install()
+    click.echo(f"celery-fence schema version {version}")
+
+
+# -- holding a lease ---------------------------------------------------------------------------
+
+
+def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
+    """Connect, say ``ready.<pid>`` in ``barrier``, then wait until ``barrier/go`` exists, so
+    that several processes send their acquisitions at the same moment."""
+    store.owner(name)  # opens the pooled connection now: the race itself is one round trip
+    (barrier / f"ready.{os.getpid()}").touch()
+    go = barrier / "go"
+    deadline = time.monotonic() + BARRIER_TIMEOUT
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise CommandError(f"{go} did not appear within {BARRIER_TIMEOUT:g} s")
+        time.sleep(0.001)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--holder", required=True, help="Who acquires (e.g. beat@host-a).")
+@click.option("--ttl", type=float, required=True, help="Seconds the lease is granted for.")
+@click.option("--max-hold", type=float, help="Seconds renewals may extend it to [default: 1 day].")
+@click.option("--purpose", default="", help="What the lease is for (shown to other holders).")
+@click.option(
+    "--start-barrier",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Write DIR/ready.PID once connected, then wait for DIR/go before acquiring (races).",
+)
+@click.pass_obj
+def acquire(
+    settings: Settings,
+    name: str,
+    holder: str,
+    ttl: float,
+    max_hold: float | None,
+    purpose: str,
+    start_barrier: Path | None,
+) -> None:
+    """Try once to take lease NAME; print the answer as JSON.
+
+    The winner's answer carries the lease with its token (keep it: renew and release need it).
+    A loser's answer carries the current owner, never a token. Exit 0 when acquired, 3 when
+    another holder has the lease, 4 when it is paused.
+    """
+    store = settings.store()
+    if start_barrier is not None:
+        _line_up(store, name, start_barrier)
+    try:
+        got = store.acquire(name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose)
+    except LeasePausedError as exc:
+        got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
+    echo_json(acquisition_dict(got))
+    if got.outcome == "paused":
+        _exit(ExitCode.PAUSED)
+    if not got.acquired:
+        _exit(ExitCode.HELD)
+
+
+def holder_options(command: F) -> F:
+    """NAME and the holder's identity, as flags or as the JSON an acquire or renew printed."""
+    decorators = (
+        click.argument("name", required=False),
+        click.option("--epoch", type=click.IntRange(min=1), help="The epoch acquire granted."),
+        click.option("--token", help="The token acquire granted (a UUID)."),
+        click.option("--holder", help="The holder that acquired."),
+        click.option(
+            "--lease-json",
+            type=click.File("r"),
+            help="Read the lease from an acquire or renew answer in FILENAME ('-': stdin).",
+        ),
+    )
+    for decorator in reversed(decorators):
+        command = decorator(command)
+    return command
+
+
+def _identity_from_json(data: object) -> dict[str, Any]:
+    lease = data.get("lease") if isinstance(data, dict) else None
+    if not isinstance(lease, dict):
+        raise BadInput(
+            "--lease-json holds no lease: pass the answer of a winning acquire or of a renew"
+        )
+    missing = [key for key in _IDENTITY if key not in lease]
+    if missing:
+        raise BadInput(f"--lease-json lacks {', '.join(missing)}")
+    return {key: lease[key] for key in _IDENTITY}
+
+
+def _read_identity(stream: IO[str]) -> dict[str, Any]:
+    try:
+        data = json.load(stream)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"--lease-json is not JSON: {exc}") from exc
+    return _identity_from_json(data)
+
+
+def held_lease(
+    *, name: str, environment: str, holder: str, epoch: object, token: object, ttl: float
+) -> Lease:
+    """A :class:`Lease` for renew and release, rebuilt from its holder's identity.
+
+    Those calls send only the name, epoch, token and holder (renew also the TTL): the times are
+    unknown here and stay placeholders, and the deadline counts from now.
+    """
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
+        raise ConfigurationError(f"epoch must be a positive integer, got {epoch!r}")
+    try:
+        parsed_token = UUID(str(token))
+    except ValueError as exc:
+        raise ConfigurationError("token must be a UUID") from exc
+    return Lease(
+        name=validation.check_name(name),
+        environment=validation.check_environment(environment),
+        holder=validation.check_holder(holder),
+        purpose="",
+        epoch=epoch,
+        token=parsed_token,
+        acquired_at=_UNKNOWN_TIME,
+        expires_at=_UNKNOWN_TIME,
+        hold_until=_UNKNOWN_TIME,
+        ttl=ttl,
+        deadline=time.monotonic() + ttl,
+    )
+
+
+def _lease_from_options(
+    settings: Settings,
+    name: str | None,
+    epoch: int | None,
+    token: str | None,
+    holder: str | None,
+    lease_json: IO[str] | None,
+    ttl: float | None,
+) -> Lease:
+    if lease_json is None:
+        given = {"NAME": name, "--epoch": epoch, "--token": token, "--holder": holder}
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise BadInput(f"missing {', '.join(missing)} (or pass --lease-json)")
+        identity: dict[str, Any] = {
+            "name": name,
+            "environment": settings.environment,
+            "holder": holder,
+            "epoch": epoch,
+            "token": token,
+            "ttl": ttl,
+        }
+    else:
+        if (epoch, token, holder) != (None, None, None):
+            raise BadInput("--lease-json cannot be combined with --epoch, --token or --holder")
+        identity = _read_identity(lease_json)
+        if name is not None and name != identity["name"]:
+            raise BadInput(f"NAME {name!r} is not the lease in --lease-json ({identity['name']!r})")
+        if ttl is not None:
+            identity["ttl"] = ttl
+    # release never reads the TTL; a lease rebuilt without one is not trusted for any time.
+    identity["ttl"] = 0.0 if identity["ttl"] is None else identity["ttl"]
+    return held_lease(**identity)
+
+
+@contextmanager
+def _lost_answer() -> Iterator[None]:
+    """On :class:`LeaseLostError`: the rejection as JSON on stdout, one line on stderr, exit 5."""
+    try:
+        yield
+    except LeaseLostError as exc:
+        echo_json(
+            {
+                "outcome": "lost",
+                "reason": exc.reason,
+                "name": exc.lease_name,
+                "epoch": exc.epoch,
+                "owner": owner_dict(exc.owner),
+            }
+        )
+        raise LostLease(str(exc)) from exc
+
+
+@main.command()
+@holder_options
+@click.option("--ttl", type=float, help="Seconds to extend to [default: the TTL in --lease-json].")
+@click.pass_obj
+def renew(
+    settings: Settings,
+    name: str | None,
+    epoch: int | None,
+    token: str | None,
+    holder: str | None,
+    lease_json: IO[str] | None,
+    ttl: float | None,
+) -> None:
+    """Extend a held lease (never its epoch, never past its maximum hold); print it as JSON.
+
+    Exit 5 with the reason and the current owner when the lease is no longer this holder's.
+    """
+    if ttl is None and lease_json is None:
+        raise BadInput("missing --ttl (or pass --lease-json)")
+    lease = _lease_from_options(settings, name, epoch, token, holder, lease_json, ttl)
+    with _lost_answer():
+        renewed = settings.store().renew(lease)
+    echo_json({"outcome": "renewed", "lease": lease_dict(renewed)})
+
+
+@main.command()
+@holder_options
+@click.pass_obj
+def release(
+    settings: Settings,
+    name: str | None,
+    epoch: int | None,
+    token: str | None,
+    holder: str | None,
+    lease_json: IO[str] | None,
+) -> None:
+    """Give a held lease up at once (releasing twice is harmless).
+
+    Exit 5 with the reason and the current owner when the lease is no longer this holder's.
+    """
+    lease = _lease_from_options(settings, name, epoch, token, holder, lease_json, None)
+    with _lost_answer():
+        settings.store().release(lease)
+    echo_json(
+        {"outcome": "released", "name": lease.name, "epoch": lease.epoch, "holder": lease.holder}
+    )
+
+
+# -- the kill switch ---------------------------------------------------------------------------
+
+
+def _whoami() -> str:
+    try:
+        return f"{getpass.getuser()}@{socket.gethostname()}"
+    except (OSError, KeyError):
+        return "celery-fence"
+
+
+@main.command()
+@click.argument("name")
+@click.option("--reason", required=True, help="Why: shown to everyone who tries to acquire.")
+@click.option("--by", default=_whoami, show_default="USER@HOST", help="Who pauses.")
+@click.pass_obj
+def pause(settings: Settings, name: str, reason: str, by: str) -> None:
+    """Stop lease NAME from being acquired or renewed; its holder's fenced writes are rejected."""
+    owner = settings.store().pause(name, reason=reason, by=by)
+    echo_json({"outcome": "paused", "owner": owner_dict(owner)})
+
+
+@main.command()
+@click.argument("name")
+@click.pass_obj
+def resume(settings: Settings, name: str) -> None:
+    """Lift the pause on lease NAME."""
+    owner = settings.store().resume(name)
+    echo_json({"outcome": "resumed", "owner": owner_dict(owner)})
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def _paused(owner: Owner) -> str | None:
+    return f"by {owner.paused_by}: {owner.paused_reason}" if owner.paused else None
+
+
+environment_filter = click.option(
+    "--environment", "environment_filter", help="Only this environment [default: all]."
+)
+limit_option = click.option("--limit", type=int, default=100, show_default=True)
+
+
+@main.command()
+@click.argument("name", required=False)
+@environment_filter
+@json_option
+@click.pass_obj
+def status(
+    settings: Settings, name: str | None, environment_filter: str | None, as_json: bool
+) -> None:
+    """Show every lease (or lease NAME) and its owner."""
+    store = settings.store()
+    if name is None:
+        owners = store.leases(environment=environment_filter)
+    else:
+        owner = store.owner(name)
+        if owner is None or environment_filter not in (None, owner.environment):
+            in_environment = f" in environment {environment_filter}" if environment_filter else ""
+            raise CommandError(f"no lease named {name}{in_environment}")
+        owners = [owner]
+    _report(
+        owners,
+        as_json=as_json,
+        columns=(
+            ("NAME", lambda o: o.name),
+            ("ENVIRONMENT", lambda o: o.environment),
+            ("HOLDER", lambda o: o.holder),
+            ("EPOCH", lambda o: o.epoch),
+            ("STATE", lambda o: o.state),
+            ("EXPIRES_AT", lambda o: o.expires_at),
+            ("PAUSED", _paused),
+        ),
+        empty="no leases",
+    )
+
+
+@main.command()
+@click.argument("name")
+@limit_option
+@json_option
+@click.pass_obj
+def history(settings: Settings, name: str, limit: int, as_json: bool) -> None:
+    """Show who won each epoch of lease NAME, newest first."""
+    entries: list[HistoryEntry] = settings.store().history(name, limit=limit)
+    _report(
+        entries,
+        as_json=as_json,
+        columns=(
+            ("EPOCH", lambda e: e.epoch),
+            ("HOLDER", lambda e: e.holder),
+            ("ENVIRONMENT", lambda e: e.environment),
+            ("PURPOSE", lambda e: e.purpose),
+            ("ACQUIRED_AT", lambda e: e.acquired_at),
+            ("ENDED_AT", lambda e: e.ended_at),
+            ("END", lambda e: e.end_reason),
+        ),
+        empty=f"no history for lease {name}",
+    )
+
+
+@main.command("stale-runs")
+@environment_filter
+@click.option("--lease", "lease_name", help="Only this lease.")
+@limit_option
+@json_option
+@click.pass_obj
+def stale_runs(
+    settings: Settings,
+    environment_filter: str | None,
+    lease_name: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Show rejected stale renewals, releases and writes, newest first."""
+    runs: list[StaleRun] = settings.store().stale_runs(
+        environment=environment_filter, lease_name=lease_name, limit=limit
+    )
+    _report(
+        runs,
+        as_json=as_json,
+        columns=(
+            ("RECORDED_AT", lambda r: r.recorded_at),
+            ("ENVIRONMENT", lambda r: r.environment),
+            ("LEASE", lambda r: r.lease_name),
+            ("STALE", lambda r: f"{r.stale_holder}@{_cell(r.stale_epoch)}"),
+            ("CURRENT", lambda r: f"{_cell(r.current_holder)}@{_cell(r.current_epoch)}"),
+            ("REASON", lambda r: r.reason),
+            ("ACTION", lambda r: r.action),
+            ("ENFORCED", lambda r: r.enforced),
+        ),
+        empty="no stale runs",
+    )
+
+
+# -- the canary --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaceAnswer:
+    """What one racing ``celery-fence acquire`` process said."""
+
+    holder: str
+    exit_code: int
+    answer: dict[str, Any] | None  # its JSON answer; None when it printed none
+    error: str  # its stderr
+
+
+def race_problems(
+    seed_epoch: int, answers: Sequence[RaceAnswer], current: Owner | None
+) -> list[str]:
+    """Every way a race broke the protocol's promise: exactly one winner, at the next epoch;
+    every loser told that winner, and no token; the database agreeing. Empty when it held."""
+    failed = [
+        f"{a.holder} failed (exit {a.exit_code}): {a.error or 'no JSON answer'}"
+        for a in answers
+        if a.answer is None
+        or a.exit_code != (ExitCode.OK if a.answer.get("acquired") else ExitCode.HELD)
+    ]
+    if failed:
+        return failed
+    replies = [(a.holder, a.answer) for a in answers if a.answer is not None]
+    winners = [(holder, answer["lease"]) for holder, answer in replies if answer["acquired"]]
+    if len(winners) != 1:
+        return [f"expected exactly one winner, got {len(winners)}: {[h for h, _ in winners]}"]
+    winner, won = winners[0]
+    problems = []
+    if won["epoch"] != seed_epoch + 1:
+        problems.append(f"the epoch went from {seed_epoch} to {won['epoch']}, not up by one")
+    for holder, answer in replies:
+        if holder == winner:
+            continue
+        owner = answer.get("owner") or {}
+        if (owner.get("holder"), owner.get("epoch")) != (won["holder"], won["epoch"]):
+            problems.append(
+                f"{holder} was told the owner is {owner.get('holder')} at epoch "
+                f"{owner.get('epoch')}, not the winner {won['holder']} at epoch {won['epoch']}"
+            )
+        if answer.get("lease") is not None or "token" in owner:
+            problems.append(f"{holder}'s answer carries a token")
+    if current is None or (current.holder, current.epoch) != (won["holder"], won["epoch"]):
+        problems.append(f"the database names {current and current.holder} as owner, not {winner}")
+    return problems
+
+
+def _seed(store: LeaseStore, name: str) -> Lease:
+    got = store.acquire(name, holder=CANARY_SEED_HOLDER, ttl=CANARY_SEED_TTL, purpose="canary seed")
+    if got.lease is None:
+        owner = got.owner
+        raise CommandError(
+            f"lease {name} is held by {owner and owner.holder} at epoch {owner and owner.epoch} "
+            f"until {owner and _cell(owner.expires_at)}; wait for it or pass another --name"
+        )
+    return got.lease
+
+
+def _wait_until_free(store: LeaseStore, name: str) -> None:
+    """Poll until the database no longer counts lease ``name`` as held."""
+    deadline = time.monotonic() + CANARY_SEED_TTL + BARRIER_TIMEOUT
+    while (owner := store.owner(name)) is not None and owner.held:
+        if time.monotonic() > deadline:
+            raise CommandError(f"lease {name} is still held after {BARRIER_TIMEOUT:g} s")
+        time.sleep(0.05)
+
+
+def _release_barrier(barrier: Path, clients: Sequence[subprocess.Popen[str]]) -> None:
+    """Wait until every client is connected (or one has died), then let them all go."""
+    deadline = time.monotonic() + BARRIER_TIMEOUT
+    while len(list(barrier.glob("ready.*"))) < len(clients):
+        if any(client.poll() is not None for client in clients):
+            break  # its answer says why; the others still race
+        if time.monotonic() > deadline:
+            raise CommandError(f"canary clients were not ready within {BARRIER_TIMEOUT:g} s")
+        time.sleep(0.01)
+    (barrier / "go").touch()
+
+
+def _answer(holder: str, client: subprocess.Popen[str]) -> RaceAnswer:
+    out, err = client.communicate(timeout=BARRIER_TIMEOUT)
+    try:
+        answer = json.loads(out) if out.strip() else None
+    except json.JSONDecodeError:
+        answer = None
+    return RaceAnswer(holder=holder, exit_code=client.returncode, answer=answer, error=err.strip())
+
+
+def race(settings: Settings, name: str, clients: int, ttl: float) -> list[RaceAnswer]:
+    """Run ``clients`` ``celery-fence acquire`` processes on lease ``name`` at once."""
+    env = {
+        **os.environ,
+        "CELERY_FENCE_DATABASE_URL": settings.url(),
+        "CELERY_FENCE_ENVIRONMENT": settings.environment,
+    }
+    holders = [f"canary-{number}" for number in range(1, clients + 1)]
+    with tempfile.TemporaryDirectory(prefix="celery-fence-canary-") as barrier:
+        command = [sys.executable, "-m", "celery_fence.cli", "acquire", name, "--ttl", repr(ttl)]
+        command += ["--purpose", "canary", "--start-barrier", barrier, "--holder"]
+        processes = [
+            subprocess.Popen(
+                [*command, holder],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for holder in holders
+        ]
+        try:
+            _release_barrier(Path(barrier), processes)
+            return [
+                _answer(holder, process) for holder, process in zip(holders, processes, strict=True)
+            ]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+
+
+@main.command()
+@click.option("--clients", type=click.IntRange(2, 32), default=2, show_default=True)
+@click.option("--name", default="canary", show_default=True, help="The lease to race on.")
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0, min_open=True),
+    default=30.0,
+    show_default=True,
+    help="TTL the racing clients ask for.",
+)
+@click.pass_obj
+def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
+    """Race CLIENTS acquire processes on one expired lease and check the protocol held.
+
+    Takes the lease for 1 s, lets it expire, starts the clients together, prints each JSON
+    answer, and checks: exactly one winner, the epoch up by one, every loser told the winner.
+    Prints "canary: OK" and releases the winner's lease, or fails with exit 1.
+    """
+    store = settings.store()
+    seed = _seed(store, name)
+    click.echo(f"canary: {seed.holder} holds {name} at epoch {seed.epoch} for 1 s; waiting")
+    _wait_until_free(store, name)
+    click.echo(f"canary: {name} expired; {clients} clients race for it")
+    answers = race(settings, name, clients, ttl)
+    for answer in answers:
+        echo_json(answer.answer)
+    problems = race_problems(seed.epoch, answers, store.owner(name))
+    if problems:
+        raise CommandError("canary: FAILED: " + "; ".join(problems))
+    (winner,) = (a for a in answers if a.answer is not None and a.answer["acquired"])
+    assert winner.answer is not None
+    store.release(held_lease(**_identity_from_json(winner.answer)))
+    click.echo(
+        f"canary: OK: {winner.holder} won epoch {seed.epoch + 1}; "
+        f"{clients - 1} loser(s) named it as the owner; released"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""FencedScheduler: a celery beat scheduler that any number of instances can run at once.
+
+    celery -A proj beat -S fence
+
+One leader lease per schedule (``fence_beat_lease``, default ``scheduler:<app name>``). Only the
+holder dispatches; it renews on its tick and trusts the lease only until its monotonic
+deadline. On loss it steps down to standby (no crash, no restart loop) and a standby takes over
+within about one TTL. Every dispatched task carries the scheduler's epoch in its headers, and
+each schedule slot is claimed in a fenced transaction, so a slot is dispatched at most once even
+if two instances believe they lead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from celery import schedules
+from celery.beat import ScheduleEntry, Scheduler
+
+from celery_fence.exceptions import FenceDatabaseError, LeaseLostError, LeasePausedError
+from celery_fence.models import Lease
+from celery_fence.observe import log
+
+from .fence import Fence
+from .headers import HEADER, FenceHeader
+
+
+def slot_of(entry: ScheduleEntry, now: datetime) -> datetime:
+    """The slot a due entry fires for, the same on every instance: interval schedules in
+    buckets of their period counted from the Unix epoch, crontabs by the minute, anything else
+    by the second."""
+    schedule = entry.schedule
+    timestamp = now.timestamp()
+    if isinstance(schedule, schedules.crontab):
+        step = 60.0
+    elif isinstance(schedule, schedules.schedule):
+        step = max(schedule.run_every.total_seconds(), 1.0)
+    else:
+        step = 1.0
+    return datetime.fromtimestamp(math.floor(timestamp / step) * step, tz=timezone.utc)
+
+
+class FencedScheduler(Scheduler):  # type: ignore[misc]
+    """The beat scheduler of celery-fence (alias ``fence`` for ``celery beat -S``)."""
+
+    max_interval: float
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self.fence = Fence.of(app)
+        settings = self.fence.settings
+        self.lease_name = settings.beat_lease or f"scheduler:{app.main or 'celery'}"
+        self.holder = f"beat@{socket.gethostname()}:{os.getpid()}"
+        self.ttl = settings.beat_ttl
+        self.renew_interval = settings.beat_renew_interval
+        self.lease: Lease | None = None
+        self.highest_epoch = 0
+        self.halted: str | None = None
+        self._renewed_at = 0.0
+        self._standby_reason: str | None = None
+        super().__init__(app, *args, **kwargs)
+        self.max_interval = min(self.max_interval, self.renew_interval)
+
+    @property
+    def info(self) -> str:
+        return (
+            f"    . lease -> {self.lease_name} (ttl {self.ttl:g}s, renew every "
+            f"{self.renew_interval:g}s, environment {self.fence.settings.environment})\n"
+            f"    . holder -> {self.holder}"
+        )
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self.halted is not None:
+            log.critical("beat halted, not scheduling: %s", self.halted)
+            return float(self.max_interval)
+        self.lead()
+        if self.lease is None:
+            return float(self.renew_interval)
+        interval: float = super().tick(*args, **kwargs)
+        return min(interval, self._until_renewal())
+
+    def lead(self) -> None:
+        """Renew the lease when due, or try to take it; step down or halt as the answers say."""
+        if self.lease is not None:
+            if self._until_renewal() <= 0 or not self.lease.trusted:
+                self._renew()
+            return
+        try:
+            got = self.fence.store.acquire(
+                self.lease_name,
+                holder=self.holder,
+                ttl=self.ttl,
+                environment=self.fence.settings.environment,
+                purpose="celery beat",
+            )
+        except LeasePausedError as exc:
+            self._standby(f"lease paused: {exc}")
+            return
+        except FenceDatabaseError as exc:
+            self._standby(f"database unavailable: {exc}")
+            return
+        if got.lease is None:
+            owner = got.owner
+            if owner is not None and owner.holder == self.holder:
+                self._halt(
+                    f"the database says {self.holder} holds epoch {owner.epoch}, but this "
+                    "instance does not: two instances share one holder identity"
+                )
+                return
+            self._standby(
+                f"standby: {owner.holder} leads at epoch {owner.epoch}" if owner else got.outcome
+            )
+            return
+        if got.lease.epoch <= self.highest_epoch:
+            self._halt(
+                f"won epoch {got.lease.epoch} after having seen epoch {self.highest_epoch}: "
+                "epochs must only grow"
+            )
+            return
+        self._take(got.lease)
+        log.warning(
+            "beat leads %s at epoch %d as %s",
+            self.lease_name,
+            got.lease.epoch,
+            self.holder,
+            extra={"lease": self.lease_name, "epoch": got.lease.epoch, "holder": self.holder},
+        )
+
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        lease = self.lease
+        if lease is None or not lease.trusted:
+            self._step_down("lease not trusted at dispatch time", lease)
+            return None
+        slot = slot_of(entry, datetime.now(timezone.utc))
+        try:
+            claimed = self.fence.store.claim_slot(
+                lease, entry=entry.name, slot=slot, task=entry.task
+            )
+        except LeaseLostError as exc:
+            self._step_down(f"dispatch of {entry.name} rejected: {exc}", lease)
+            return None
+        if not claimed:
+            log.info(
+                "slot %s of %s was already dispatched; not sending again",
+                slot.isoformat(),
+                entry.name,
+                extra={"lease": self.lease_name, "entry": entry.name},
+            )
+            return None
+        headers = dict(entry.options.get("headers") or {})
+        headers[HEADER] = FenceHeader.for_lease(lease, "join").to_message()
+        entry.options["headers"] = headers
+        return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
+
+    def close(self) -> None:
+        lease = self.lease
+        if lease is not None:
+            self.lease = None
+            try:
+                self.fence.store.release(lease)
+            except (LeaseLostError, FenceDatabaseError) as exc:
+                log.warning("beat could not release %s on shutdown: %s", self.lease_name, exc)
+        super().close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _until_renewal(self) -> float:
+        return self._renewed_at + self.renew_interval - time.monotonic()
+
+    def _take(self, lease: Lease) -> None:
+        self.lease = lease
+        self.highest_epoch = max(self.highest_epoch, lease.epoch)
+        self._renewed_at = time.monotonic()
+        self._standby_reason = None
+
+    def _renew(self) -> None:
+        lease = self.lease
+        assert lease is not None
+        try:
+            renewed = self.fence.store.renew(lease)
+        except LeaseLostError as exc:
+            self._step_down(str(exc), lease)
+            return
+        except FenceDatabaseError as exc:
+            if not lease.trusted:
+                self._step_down(f"could not renew before the deadline: {exc}", lease)
+            else:
+                log.warning("beat renewal failed, retrying: %s", exc)
+            return
+        if renewed.epoch != lease.epoch:
+            self._halt(f"renewal returned epoch {renewed.epoch} for epoch {lease.epoch}")
+            return
+        self._take(renewed)
+
+    def _step_down(self, reason: str, lease: Lease | None) -> None:
+        self.lease = None
+        self._standby(f"stepped down from epoch {lease.epoch if lease else '?'}: {reason}")
+
+    def _standby(self, reason: str) -> None:
+        if reason != self._standby_reason:
+            log.warning("beat on standby for %s: %s", self.lease_name, reason)
+            self._standby_reason = reason
+
+    def _halt(self, reason: str) -> None:
+        self.lease = None
+        self.halted = reason
+        log.critical("beat stops scheduling %s: %s", self.lease_name, reason)
