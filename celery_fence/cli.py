@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import getpass
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -42,7 +43,7 @@ from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRu
 from celery_fence.store import LeaseStore
 
 F = TypeVar("F", bound=Callable[..., Any])
-Record = TypeVar("Record")
+Record = TypeVar("Record", Owner, HistoryEntry, StaleRun)
 
 # renew and release key on (name, epoch, token, holder); a lease the CLI rebuilds from those has
 # no known times, and none of them is sent.
@@ -203,7 +204,7 @@ def _report(
 ) -> None:
     """Print records as JSON (a list) or as an aligned table with one row each."""
     if as_json:
-        echo_json([dataclasses.asdict(record) for record in records])  # type: ignore[call-overload]
+        echo_json([dataclasses.asdict(record) for record in records])
         return
     if not records:
         click.echo(empty)
@@ -243,9 +244,12 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     show_envvar=True,
     help="Environment of the leases this command acquires or pauses.",
 )
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Also log acquisitions and rejections on stderr."
+)
 @click.version_option(package_name="celery-fence", prog_name="celery-fence")
 @click.pass_context
-def main(ctx: click.Context, database_url: str | None, environment: str) -> None:
+def main(ctx: click.Context, database_url: str | None, environment: str, verbose: bool) -> None:
     """PostgreSQL leases with fencing epochs for Celery.
 
     Exit codes: 0 ok, 1 error, 2 bad input, 3 lease held by another, 4 lease paused,
@@ -254,6 +258,25 @@ def main(ctx: click.Context, database_url: str | None, environment: str) -> None
     settings = Settings(database_url=database_url, environment=environment)
     ctx.obj = settings
     ctx.call_on_close(settings.close)
+    _route_logs(ctx, verbose)
+
+
+def _route_logs(ctx: click.Context, verbose: bool) -> None:
+    """The library's log lines repeat what the command prints: show them only with ``-v``,
+    so that an error stays one line."""
+    logger = logging.getLogger("celery_fence")
+    handler = logging.StreamHandler(sys.stderr) if verbose else logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    if verbose:
+        logger.setLevel(logging.INFO)
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+    ctx.call_on_close(restore)
 
 
 @main.command()
@@ -290,7 +313,11 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 @click.argument("name")
 @click.option("--holder", required=True, help="Who acquires (e.g. beat@host-a).")
 @click.option("--ttl", type=float, required=True, help="Seconds the lease is granted for.")
-@click.option("--max-hold", type=float, help="Seconds renewals may extend it to [default: 1 day].")
+@click.option(
+    "--max-hold",
+    type=float,
+    help="Seconds renewals may extend it to [default: the TTL or 1 day, the longer].",
+)
 @click.option("--purpose", default="", help="What the lease is for (shown to other holders).")
 @click.option(
     "--start-barrier",

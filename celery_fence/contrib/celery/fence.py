@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any, Literal, NoReturn
 
-from celery import Celery, Task, bootsteps, signals
+from celery import Celery, Task, bootsteps, current_task, signals
 from celery.exceptions import Ignore
 
 from celery_fence import validation
@@ -138,12 +138,19 @@ def current_run() -> FencedRun | None:
 
 
 def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    run = _current.get()
-    if run is None or headers is None:
+    """Stamp the fence header on every message published inside a fenced run, and on those the
+    worker publishes for a task right after its body (chain links, chord callbacks)."""
+    if headers is None:
         return
-    header = run.header()
-    if header is not None:
-        headers[HEADER] = header.to_message()
+    run = _current.get()
+    value: object | None = None
+    if run is not None:
+        header = run.header()
+        value = None if header is None else header.to_message()
+    elif current_task:
+        value = _header_of(current_task.request)
+    if value is not None:
+        headers[HEADER] = value
 
 
 signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celery_fence.header")
@@ -475,7 +482,12 @@ class FencedTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         finally:
             _current.reset(token)
+            header = run.header()
             self.fence.end(run)
+            if header is not None and not self.request.called_directly:
+                # What the worker publishes after the body (the next link of a chain, a chord
+                # callback) runs at this epoch too.
+                setattr(self.request, HEADER, header.to_message())
 
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The run's arguments by parameter name, defaults included (for the templates)."""
