@@ -49,14 +49,19 @@ def engine_from_url(url: str, **kwargs: Any) -> Engine:
     """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL."""
     try:
         parsed = make_url(url)
-    except sa.exc.ArgumentError as exc:
-        raise ConfigurationError(f"not a database URL: {url!r}") from exc
+    except (sa.exc.ArgumentError, ValueError) as exc:
+        raise ConfigurationError(
+            "not a valid database URL (expected postgresql://user:password@host:port/database)"
+        ) from exc
     if parsed.get_backend_name() != "postgresql":
         raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
     kwargs.setdefault("pool_pre_ping", True)
-    return sa.create_engine(parsed, **kwargs)
+    try:
+        return sa.create_engine(parsed, **kwargs)
+    except (sa.exc.NoSuchModuleError, ImportError) as exc:
+        raise ConfigurationError(f"no database driver for {parsed.drivername!r}: {exc}") from exc
 
 
 def proof_message(name: str, epoch: int, holder: str, mode: Mode) -> bytes:
@@ -156,8 +161,11 @@ class LeaseStore:
         """Create or upgrade the schema (idempotent); return the schema version."""
         try:
             with self.engine.begin() as conn:
-                # A plain DB-API execute without parameters: the script's '%' stay literal.
-                conn.connection.cursor().execute(_sql.install_script())
+                # Executed without parameters, so the script's '%' stay literal; through
+                # SQLAlchemy, so that a driver error is wrapped like any other.
+                conn.exec_driver_sql(
+                    _sql.install_script(), execution_options={"no_parameters": True}
+                )
                 return int(conn.execute(self._queries["schema_version"]).scalar_one())
         except sa.exc.DBAPIError as exc:
             raise _wrap(exc) from exc

@@ -40,8 +40,11 @@ SELECT * FROM celery_fence.resume(:name, :now)
 SELECT * FROM celery_fence.owner(:name, :now)
 
 -- name: leases
-SELECT (celery_fence.answer_of('read', NULL, l, false, coalesce(CAST(:now AS timestamptz), clock_timestamp()))).*
+SELECT a.*
 FROM celery_fence.leases l
+CROSS JOIN LATERAL celery_fence.answer_of(
+    'read', NULL, l, false, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+) a
 WHERE CAST(:environment AS text) IS NULL OR l.environment = :environment
 ORDER BY l.name
 
