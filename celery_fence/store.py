@@ -284,7 +284,7 @@ class LeaseStore:
                 "now": self._now(),
             },
         )
-        if row["outcome"] != "released":
+        if row["outcome"] not in ("released", "left"):
             raise self._rejected(lease.name, lease.epoch, lease.holder, row, "release", True)
         self.metrics.incr("release.released")
         log.info(

@@ -131,7 +131,8 @@ BEGIN
                 renewed_at = coalesce(p_now, clock_timestamp()),
                 expires_at = coalesce(p_now, clock_timestamp()) + p_ttl,
                 hold_until = coalesce(p_now, clock_timestamp()) + v_hold,
-                released_at = NULL
+                released_at = NULL,
+                sharers = 1
             WHERE l.name = p_name
               AND NOT l.paused
               AND (l.released_at IS NOT NULL OR l.expires_at <= coalesce(p_now, clock_timestamp()))
@@ -212,13 +213,22 @@ DECLARE
     v_row celery_fence.leases;
     v_reason text;
 BEGIN
+    -- A lease shared with continuations (see rejoin) is released by the last of its sharers.
     UPDATE celery_fence.leases AS l SET
-        released_at = coalesce(p_now, clock_timestamp()),
-        expires_at = least(l.expires_at, coalesce(p_now, clock_timestamp()))
+        sharers = greatest(l.sharers - 1, 0),
+        released_at = CASE WHEN l.sharers <= 1 THEN coalesce(p_now, clock_timestamp()) END,
+        expires_at = CASE WHEN l.sharers <= 1
+                          THEN least(l.expires_at, coalesce(p_now, clock_timestamp()))
+                          ELSE l.expires_at END
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
       AND l.released_at IS NULL
       AND l.expires_at > coalesce(p_now, clock_timestamp())
     RETURNING l.* INTO v_row;
+    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL THEN
+        RETURN celery_fence.answer_of(
+            'left', NULL, v_row, false, coalesce(p_now, clock_timestamp())
+        );
+    END IF;
     IF v_row.name IS NOT NULL THEN
         UPDATE celery_fence.lease_history AS h
         SET ended_at = v_row.released_at, end_reason = 'released'
@@ -228,8 +238,8 @@ BEGIN
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
     v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp()));
-    IF v_reason = 'released' THEN
-        -- Releasing twice is harmless.
+    IF v_row.epoch = p_epoch AND v_row.token = p_token AND v_row.released_at IS NOT NULL THEN
+        -- Releasing twice is harmless, also when the lease was paused in between.
         RETURN celery_fence.answer_of('released', NULL, v_row, false, coalesce(p_now, clock_timestamp()));
     END IF;
     v_reason := coalesce(v_reason, 'expired');
@@ -288,9 +298,10 @@ $$;
 -- A continuation (a task published from inside a fenced run) takes up the lease at the epoch it
 -- was published under, proving it with HMAC-SHA256(token, proof_message) so that the token never
 -- travels. Mode 'resume' (retries and children of a fenced task) shares the lease while it is
--- held (outcome 'joined') and takes it back when it was released or expired with no newer epoch
--- (outcome 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a lease that
--- is still held, without extending it. Rejections are recorded.
+-- held (outcome 'joined': one more sharer, so the lease is released only when the last sharer
+-- releases it) and takes it back when it was released or expired with no newer epoch (outcome
+-- 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a lease that is still
+-- held, without extending or releasing it. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -335,6 +346,7 @@ BEGIN
     UPDATE celery_fence.leases AS l SET
         renewed_at = v_now,
         released_at = NULL,
+        sharers = CASE WHEN v_took_back THEN 1 ELSE l.sharers + 1 END,
         expires_at = greatest(
             CASE WHEN l.released_at IS NULL THEN l.expires_at END,
             least(v_now + p_ttl, l.hold_until)

@@ -12,6 +12,7 @@ CREATE TABLE celery_fence.leases (
     expires_at    timestamptz NOT NULL,
     hold_until    timestamptz NOT NULL,
     released_at   timestamptz,
+    sharers       integer     NOT NULL DEFAULT 1 CHECK (sharers >= 0),
     paused        boolean     NOT NULL DEFAULT false,
     paused_reason text,
     paused_by     text,

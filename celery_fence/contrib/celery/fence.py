@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -46,8 +48,9 @@ class FencedRun:
 
     ``mode`` is ``owner`` (this run acquired the lease), ``resume`` (a retry or child of a
     fenced run, at its publisher's epoch) or ``join`` (a task dispatched by a fenced beat, under
-    the scheduler's epoch). ``lease`` is ``None`` only in shadow mode, when the run goes ahead
-    without the lease it would otherwise have been refused.
+    the scheduler's epoch). ``lease`` is ``None`` when the run goes ahead without a lease: in
+    an environment whose enforcement is ``off``, or in shadow mode when it would have been
+    refused; its guards then let the writes through.
     """
 
     def __init__(
@@ -67,6 +70,7 @@ class FencedRun:
         self.keeper = keeper
         self.release_at_end = release_at_end
         self.min_hold = min_hold
+        self.started = time.monotonic()
         self._lease = lease
 
     @property
@@ -118,7 +122,7 @@ class FencedRun:
     @contextmanager
     def _guard(self, lease: Lease | None, conn: Executor, action: str) -> Iterator[None]:
         if lease is None:
-            log.info("shadow mode: %r runs unfenced (no lease was granted)", action)
+            log.info("%r runs unfenced: this run holds no lease", action)
             yield
             return
         with self.store.guard(lease, conn, action=action, enforce=self.enforced):
@@ -177,6 +181,7 @@ class Fence:
         self._keeper_store: LeaseStore | None = None
         self._settings: FenceSettings | None = None
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         _fences[app] = self
         app.steps["worker"].add(FenceWorkerStep)
         signals.worker_process_init.connect(self._after_fork, weak=False)
@@ -237,6 +242,11 @@ class Fence:
         )
 
     def _after_fork(self, **_: Any) -> None:
+        # The solo pool sends worker_process_init without forking: the connections are still
+        # this process's own and stay in use.
+        if os.getpid() == self._pid:
+            return
+        self._pid = os.getpid()
         for store in (self._store, self._keeper_store):
             if store is not None:
                 store.engine.dispose(close=False)
@@ -278,6 +288,10 @@ class Fence:
         }
         if on_busy is not None and on_busy not in ("skip", "retry", "raise"):
             raise ConfigurationError(f"on_busy must be skip, retry or raise; got {on_busy!r}")
+        # A fenced task belongs to this Fence (its app's settings and store): Celery's default,
+        # shared=True, would also register it in every app created later, running there under
+        # this one's fence.
+        options.setdefault("shared", False)
         decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
             base=FencedTask, **attributes, **options
         )
@@ -302,8 +316,8 @@ class Fence:
 
     def begin(
         self, task: FencedTask, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> FencedRun | None:
-        """Decide how ``task`` runs: under a new lease, its publisher's epoch, or not at all."""
+    ) -> FencedRun:
+        """Decide how ``task`` runs: under a new lease, its publisher's epoch, or unfenced."""
         settings = self.settings
         arguments = task.arguments(args, kwargs)
         environment = validation.check_environment(
@@ -313,7 +327,7 @@ class Fence:
         )
         enforcement = settings.enforcement_for(environment)
         if enforcement == "off":
-            return None
+            return FencedRun(store=self.store, mode="owner", enforced=False)
         enforced = enforcement == "enforce"
         header = _header_of(task.request)
         if header is not None:
@@ -327,16 +341,14 @@ class Fence:
         lease = run.lease
         if lease is None or not run.release_at_end:
             return
-        if run.min_hold > 0:
-            held_for = (datetime.now(timezone.utc) - lease.acquired_at).total_seconds()
-            if held_for < run.min_hold:
-                log.info(
-                    "keeping lease %s until its minimum hold of %gs has passed",
-                    lease.name,
-                    run.min_hold,
-                    extra={"lease": lease.name, "epoch": lease.epoch},
-                )
-                return
+        if run.min_hold > 0 and time.monotonic() - run.started < run.min_hold:
+            log.info(
+                "keeping lease %s until its minimum hold of %gs has passed",
+                lease.name,
+                run.min_hold,
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
+            return
         try:
             self.store.release(lease)
         except LeaseLostError:
@@ -456,7 +468,9 @@ class Fence:
             mode=header.mode,
             enforced=enforced,
             keeper=keeper.start(),
-            release_at_end=got.outcome == "resumed",
+            # A continuation that joined a held lease is one more sharer: releasing it only
+            # leaves; the lease is released when its last sharer releases it.
+            release_at_end=header.mode == "resume",
         )
 
 
@@ -475,8 +489,6 @@ class FencedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.fence.begin(self, args, kwargs)
-        if run is None:
-            return super().__call__(*args, **kwargs)
         token = _current.set(run)
         try:
             return super().__call__(*args, **kwargs)
