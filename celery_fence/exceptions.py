@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_fence.models import Owner
@@ -45,6 +46,18 @@ class LeaseError(FenceError):
         self.epoch = epoch
         self.owner = owner
         self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Celery pickles a task's error before reporting it; without this the keyword-only
+        # fields make unpickling fail and Celery falls back to a bare FenceError.
+        rebuild = partial(
+            type(self),
+            lease_name=self.lease_name,
+            epoch=self.epoch,
+            owner=self.owner,
+            reason=self.reason,
+        )
+        return rebuild, self.args
 
 
 class LeaseHeldError(LeaseError):

@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import time
+import uuid
 from datetime import datetime, timezone
 from typing import Any
 
@@ -54,7 +55,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.fence = Fence.of(app)
         settings = self.fence.settings
         self.lease_name = settings.beat_lease or f"scheduler:{app.main or 'celery'}"
-        self.holder = f"beat@{socket.gethostname()}:{os.getpid()}"
+        # Unique per start: a container restarted with the same hostname and pid is a new holder.
+        self.holder = f"beat@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.ttl = settings.beat_ttl
         self.renew_interval = settings.beat_renew_interval
         self.lease: Lease | None = None
