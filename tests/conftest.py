@@ -8,10 +8,11 @@ a missing service is a failure.
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import os
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime
 
 import pytest
 import sqlalchemy as sa
@@ -43,8 +44,13 @@ def missing_service(what: str, error: BaseException | str) -> None:
 
 
 def utc_now() -> datetime:
-    """The injected clock: freezegun moves it; the database then uses it instead of its own."""
-    return datetime.now(timezone.utc)
+    """The injected clock: freezegun moves it; the database then uses it instead of its own.
+
+    ``datetime`` is looked up on its module at each call, where freezegun patches it: this
+    conftest leaves ``sys.modules`` once another directory's conftest (also named ``conftest``)
+    is imported, and freezegun patches only the names of the modules it finds there.
+    """
+    return dt.datetime.now(dt.timezone.utc)
 
 
 @pytest.fixture(scope="session")
@@ -120,3 +126,29 @@ def clock() -> Callable[[], datetime]:
 def fake_store(engine: Engine, clock: Callable[[], datetime]) -> LeaseStore:
     """A store whose SQL uses the injected clock: wrap the test in ``freeze_time`` to move it."""
     return LeaseStore(engine, clock=clock)
+
+
+_AGE_LEASE = sa.text(
+    """
+    UPDATE celery_fence.leases
+    SET acquired_at = clock_timestamp() - interval '2 seconds',
+        renewed_at = clock_timestamp() - interval '2 seconds',
+        expires_at = clock_timestamp() - interval '1 second'
+    WHERE name = :name
+    """
+)
+
+
+@pytest.fixture
+def expire_lease(engine: Engine) -> Callable[[str], None]:
+    """Make a lease expire now by the database clock, without waiting for its TTL or freezing
+    time (for tests with threads or workers): its row is aged in SQL."""
+
+    def expire(name: str) -> None:
+        with engine.begin() as conn:
+            # A fenced writer holding the row would make this wait: fail instead of hanging.
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+            if conn.execute(_AGE_LEASE, {"name": name}).rowcount != 1:
+                raise LookupError(f"no lease named {name!r}")
+
+    return expire
