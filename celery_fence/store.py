@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Literal, Protocol
@@ -57,7 +57,6 @@ def engine_from_url(url: str, **kwargs: Any) -> Engine:
         raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
-    kwargs.setdefault("pool_pre_ping", True)
     try:
         return sa.create_engine(parsed, **kwargs)
     except (sa.exc.NoSuchModuleError, ImportError) as exc:
@@ -75,14 +74,20 @@ def proof(lease: Lease, mode: Mode) -> str:
     return hmac.new(lease.token.bytes, message, hashlib.sha256).hexdigest()
 
 
-def _sqlstate(exc: sa.exc.DBAPIError) -> str | None:
-    orig = exc.orig
+def _driver_error(exc: BaseException) -> BaseException:
+    """The DB-API error itself, also when SQLAlchemy wrapped it."""
+    orig = exc.orig if isinstance(exc, sa.exc.DBAPIError) else None
+    return orig if orig is not None else exc
+
+
+def _sqlstate(exc: BaseException) -> str | None:
+    orig = _driver_error(exc)
     return getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
 
 
-def _wrap(exc: sa.exc.DBAPIError) -> FenceDatabaseError | ConfigurationError:
+def _wrap(exc: BaseException) -> FenceDatabaseError | ConfigurationError:
     state = _sqlstate(exc)
-    detail = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+    detail = (str(_driver_error(exc)).strip().splitlines() or [type(exc).__name__])[0]
     if state in _SCHEMA_MISSING:
         return SchemaNotInstalledError(
             f"celery-fence schema is not installed or out of date ({detail}); "
@@ -93,7 +98,22 @@ def _wrap(exc: sa.exc.DBAPIError) -> FenceDatabaseError | ConfigurationError:
     return FenceDatabaseError(f"database error: {detail}")
 
 
-def _owner(row: sa.RowMapping) -> Owner | None:
+class _Statement:
+    """A named query compiled once to the driver's parameter style, run on a DB-API cursor:
+    the protocol's calls skip SQLAlchemy's per-statement compilation and row processing."""
+
+    def __init__(self, sql: str, dialect: sa.Dialect) -> None:
+        compiled = sa.text(sql).compile(dialect=dialect)
+        self.sql = compiled.string
+        self.positions = compiled.positiontup
+
+    def parameters(self, values: Mapping[str, Any]) -> Mapping[str, Any] | tuple[Any, ...]:
+        if self.positions:
+            return tuple(values[name] for name in self.positions)
+        return values
+
+
+def _owner(row: Mapping[str, Any]) -> Owner | None:
     if row["name"] is None:
         return None
     return Owner(**{key: row[key] for key in _OWNER_FIELDS})
@@ -131,6 +151,10 @@ class LeaseStore:
         self.metrics = Metrics()
         self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self._queries = {name: sa.text(sql) for name, sql in _sql.queries().items()}
+        self._statements = {
+            name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
+        }
+        self._driver_errors: type[Exception] = engine.dialect.loaded_dbapi.Error
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> LeaseStore:
@@ -140,7 +164,7 @@ class LeaseStore:
     def dedicated(self) -> LeaseStore:
         """A store with the same settings on a connection of its own (for renewal threads), so
         that a busy pool in the work never starves the lease."""
-        engine = sa.create_engine(self.engine.url, pool_size=1, max_overflow=0, pool_pre_ping=True)
+        engine = sa.create_engine(self.engine.url, pool_size=1, max_overflow=0)
         return LeaseStore(
             engine,
             clock=self.clock,
@@ -216,9 +240,9 @@ class LeaseStore:
         started = time.monotonic()
         try:
             row = self._call("acquire", params)
-        except sa.exc.DBAPIError as exc:
-            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
-                raise _wrap(exc) from exc
+        except FenceDatabaseError as exc:
+            if exc.__cause__ is None or _sqlstate(exc.__cause__) != _LOCK_NOT_AVAILABLE:
+                raise
             owner = self.owner(name)
             self.metrics.incr("acquire.busy")
             log.info("lease %s busy: row locked by fenced writers", name, extra={"lease": name})
@@ -253,7 +277,7 @@ class LeaseStore:
         """
         ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
         started = time.monotonic()
-        row = self._call_or_wrap(
+        row = self._call(
             "renew",
             {
                 "name": lease.name,
@@ -273,7 +297,7 @@ class LeaseStore:
     def release(self, lease: Lease) -> None:
         """Give the lease up at once (idempotent). Only its holder can: a stale release raises
         :class:`LeaseLostError` and is recorded."""
-        row = self._call_or_wrap(
+        row = self._call(
             "release",
             {
                 "name": lease.name,
@@ -320,7 +344,7 @@ class LeaseStore:
             raise ConfigurationError(f"proof must be hex, got {proof!r}") from exc
         ttl_seconds = self._ttl(ttl)
         started = time.monotonic()
-        row = self._call_or_wrap(
+        row = self._call(
             "rejoin",
             {
                 "name": validation.check_name(name),
@@ -410,7 +434,7 @@ class LeaseStore:
     ) -> StaleRun:
         """Store a stale run the protocol functions could not record themselves (a forged or
         malformed header, a write rejected by its holder's own deadline), log and count it."""
-        row = self._call_or_wrap(
+        row = self._call(
             "record_stale_run",
             {
                 "name": name,
@@ -476,7 +500,7 @@ class LeaseStore:
     ) -> Owner:
         """Stop the lease from being acquired or renewed until :meth:`resume`; its holder's
         fenced writes are rejected from now on."""
-        row = self._call_or_wrap(
+        row = self._call(
             "pause",
             {
                 "name": validation.check_name(name),
@@ -495,9 +519,7 @@ class LeaseStore:
 
     def resume(self, name: str) -> Owner:
         """Lift a pause. Raises :class:`LeaseError` for a lease that does not exist."""
-        row = self._call_or_wrap(
-            "resume", {"name": validation.check_name(name), "now": self._now()}
-        )
+        row = self._call("resume", {"name": validation.check_name(name), "now": self._now()})
         owner = _owner(row)
         if owner is None:
             raise LeaseError(f"no lease named {name}", lease_name=name)
@@ -565,7 +587,7 @@ class LeaseStore:
             raise ConfigurationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
         return limit
 
-    def _lease(self, row: sa.RowMapping, started: float, ttl: float) -> Lease:
+    def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:
         trusted_for = max(0.0, float(row["remaining"])) * (1.0 - self.safety_margin)
         return Lease(
             name=row["name"],
@@ -581,29 +603,38 @@ class LeaseStore:
             deadline=started + trusted_for,
         )
 
-    def _rows(self, query: str, params: dict[str, Any]) -> list[sa.RowMapping]:
+    def _rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run a named query in autocommit on a pooled connection; wrap driver errors."""
+        statement = self._statements[query]
         try:
             with self._autocommit.connect() as conn:
-                return list(conn.execute(self._queries[query], params).mappings())
-        except sa.exc.DBAPIError as exc:
+                cursor = conn.connection.cursor()
+                try:
+                    cursor.execute(statement.sql, statement.parameters(params))
+                    names = [column[0] for column in cursor.description]
+                    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+                except self._driver_errors as exc:
+                    if self.engine.dialect.is_disconnect(exc, conn.connection, cursor):  # type: ignore[arg-type]
+                        conn.invalidate(exc)
+                    raise
+                finally:
+                    cursor.close()
+        except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
 
-    def _call(self, query: str, params: dict[str, Any]) -> sa.RowMapping:
-        with self._autocommit.connect() as conn:
-            return conn.execute(self._queries[query], params).mappings().one()
-
-    def _call_or_wrap(self, query: str, params: dict[str, Any]) -> sa.RowMapping:
-        try:
-            return self._call(query, params)
-        except sa.exc.DBAPIError as exc:
-            raise _wrap(exc) from exc
+    def _call(self, query: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Like :meth:`_rows` for a query that answers exactly one row."""
+        rows = self._rows(query, params)
+        if len(rows) != 1:
+            raise FenceDatabaseError(f"{query} answered {len(rows)} rows, expected one")
+        return rows[0]
 
     def _rejected(
         self,
         name: str,
         epoch: int,
         holder: str,
-        row: sa.RowMapping,
+        row: Mapping[str, Any],
         action: str,
         enforced: bool,
     ) -> LeaseLostError:

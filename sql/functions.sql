@@ -142,7 +142,7 @@ BEGIN
                     ended_at = CASE WHEN v_row.epoch = v_new.epoch - 1
                                     THEN v_row.expires_at ELSE v_new.acquired_at END,
                     end_reason = 'expired'
-                WHERE h.name = p_name AND h.epoch < v_new.epoch AND h.ended_at IS NULL;
+                WHERE h.name = p_name AND h.epoch = v_new.epoch - 1 AND h.ended_at IS NULL;
             END IF;
         ELSE
             INSERT INTO celery_fence.leases AS l (
@@ -269,19 +269,22 @@ BEGIN
 END
 $$;
 
--- check_fence that aborts the caller's transaction when the lease is no longer held.
+-- check_fence that aborts the caller's transaction when the lease is no longer held (one
+-- statement: it is on the path of every fenced write).
 CREATE OR REPLACE FUNCTION celery_fence.fence(
     p_name text, p_epoch bigint, p_token uuid, p_now timestamptz DEFAULT NULL
 ) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_answer celery_fence.answer;
+    v_row celery_fence.leases;
+    v_reason text;
 BEGIN
-    v_answer := celery_fence.check_fence(p_name, p_epoch, p_token, p_now);
-    IF v_answer.reason IS NOT NULL THEN
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR SHARE;
+    v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp()));
+    IF v_reason IS NOT NULL THEN
         RAISE EXCEPTION 'celery_fence: stale epoch (%) for lease %: epoch % is no longer held',
-            v_answer.reason, p_name, p_epoch
+            v_reason, p_name, p_epoch
             USING ERRCODE = 'CF001',
-                  DETAIL = format('current epoch %s held by %s', v_answer.epoch, v_answer.holder),
+                  DETAIL = format('current epoch %s held by %s', v_row.epoch, v_row.holder),
                   HINT = 'Roll back, then record it with celery_fence.record_stale_run().';
     END IF;
     RETURN p_epoch;

@@ -1,0 +1,322 @@
+"""Installing the schema: idempotent, concurrent-safe, equal to ``sql/schema.sql``, shipped in the
+wheel, and a clear error where it is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+import zipfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+
+from celery_fence import Lease, LeaseStore, SchemaNotInstalledError, _sql
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A normalized picture of everything in schema celery_fence that a migration could get wrong.
+CATALOG = {
+    "relations": """
+        SELECT c.relname, c.relkind, c.relpersistence, c.reloptions
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'celery_fence' ORDER BY c.relname
+    """,
+    "columns": """
+        SELECT c.relname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod),
+               a.attnotnull, pg_get_expr(d.adbin, d.adrelid), a.attidentity, a.attgenerated
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_attrdef d ON (d.adrelid, d.adnum) = (a.attrelid, a.attnum)
+        WHERE n.nspname = 'celery_fence' AND a.attnum > 0 AND NOT a.attisdropped
+        ORDER BY c.relname, a.attnum
+    """,
+    "constraints": """
+        SELECT conrelid::regclass::text, conname, contype, pg_get_constraintdef(oid)
+        FROM pg_constraint WHERE connamespace = 'celery_fence'::regnamespace
+        ORDER BY 1, 2
+    """,
+    "indexes": """
+        SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid)
+        FROM pg_index JOIN pg_class c ON c.oid = indrelid
+        WHERE c.relnamespace = 'celery_fence'::regnamespace ORDER BY 1
+    """,
+    "types": """
+        SELECT typname, typtype FROM pg_type
+        WHERE typnamespace = 'celery_fence'::regnamespace ORDER BY typname
+    """,
+    "sequences": """
+        SELECT seqrelid::regclass::text, format_type(seqtypid, NULL), seqstart, seqincrement,
+               seqmin, seqmax, seqcycle
+        FROM pg_sequence JOIN pg_class c ON c.oid = seqrelid
+        WHERE c.relnamespace = 'celery_fence'::regnamespace ORDER BY 1
+    """,
+    "functions": """
+        SELECT proname, pg_get_function_identity_arguments(oid), pg_get_function_result(oid),
+               provolatile, proisstrict, proconfig, md5(prosrc)
+        FROM pg_proc WHERE pronamespace = 'celery_fence'::regnamespace ORDER BY 1, 2
+    """,
+    "triggers": """
+        SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(t.oid)
+        FROM pg_trigger t JOIN pg_class c ON c.oid = tgrelid
+        WHERE c.relnamespace = 'celery_fence'::regnamespace ORDER BY 1, 2
+    """,
+}
+
+
+def catalog(url: str) -> dict[str, list[tuple[Any, ...]]]:
+    engine = sa.create_engine(libpq_url(url, driver="postgresql+psycopg"), poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            return {
+                part: [tuple(row) for row in conn.exec_driver_sql(query)]
+                for part, query in CATALOG.items()
+            }
+    finally:
+        engine.dispose()
+
+
+def migrations_applied(url: str) -> list[tuple[int, str]]:
+    engine = sa.create_engine(libpq_url(url, driver="postgresql+psycopg"), poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql(
+                "SELECT version, name FROM celery_fence.migrations ORDER BY version"
+            )
+            return [(row.version, row.name) for row in rows]
+    finally:
+        engine.dispose()
+
+
+def libpq_url(url: str, driver: str = "postgresql") -> str:
+    return make_url(url).set(drivername=driver).render_as_string(hide_password=False)
+
+
+def install(url: str) -> int:
+    store = LeaseStore.from_url(url)
+    try:
+        return store.install()
+    finally:
+        store.engine.dispose()
+
+
+@pytest.fixture
+def other_empty_database_url(admin_engine: Engine, empty_database_url: str) -> Iterator[str]:
+    """A second empty database, for comparing two ways of building the schema."""
+    name = f"cf_other_{uuid.uuid4().hex}"
+    with admin_engine.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    yield make_url(empty_database_url).set(database=name).render_as_string(hide_password=False)
+    with admin_engine.connect() as conn:
+        conn.exec_driver_sql(f'DROP DATABASE "{name}" WITH (FORCE)')
+
+
+def expected_migrations() -> list[tuple[int, str]]:
+    return [(migration.version, migration.name) for migration in _sql.migrations()]
+
+
+# -- idempotent, concurrent-safe -----------------------------------------------------------------
+
+
+def test_install_twice_on_an_empty_database_changes_nothing_the_second_time(
+    empty_database_url: str,
+) -> None:
+    assert install(empty_database_url) == _sql.latest_version()
+    first = catalog(empty_database_url)
+    assert install(empty_database_url) == _sql.latest_version()
+    assert catalog(empty_database_url) == first
+    assert migrations_applied(empty_database_url) == expected_migrations()
+
+
+def test_install_keeps_the_leases_it_finds(store: LeaseStore) -> None:
+    got = store.acquire("scheduler:retention", holder="beat", ttl=60, environment="prod")
+    assert store.install() == _sql.latest_version()
+    assert store.owner("scheduler:retention") == got.owner
+
+
+def test_concurrent_installs_on_an_empty_database_both_succeed(
+    empty_database_url: str, other_empty_database_url: str
+) -> None:
+    barrier = threading.Barrier(2)
+
+    def racer() -> int:
+        barrier.wait(30)
+        return install(empty_database_url)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        versions = [future.result(timeout=60) for future in [pool.submit(racer) for _ in range(2)]]
+    assert versions == [_sql.latest_version()] * 2
+    assert migrations_applied(empty_database_url) == expected_migrations()
+    install(other_empty_database_url)
+    assert catalog(empty_database_url) == catalog(other_empty_database_url)
+
+
+# -- the migrations build exactly what schema.sql describes --------------------------------------
+
+
+def run_script(url: str, *names: str) -> None:
+    """Run SQL files as they ship, unparameterized, in one transaction."""
+    engine = sa.create_engine(libpq_url(url, driver="postgresql+psycopg"), poolclass=sa.NullPool)
+    try:
+        with engine.begin() as conn:
+            for name in names:
+                conn.connection.cursor().execute(_sql.read(name))
+    finally:
+        engine.dispose()
+
+
+def test_replayed_migrations_equal_schema_sql(
+    empty_database_url: str, other_empty_database_url: str
+) -> None:
+    install(empty_database_url)
+    run_script(other_empty_database_url, "schema.sql", "functions.sql")
+    migrated, declared = catalog(empty_database_url), catalog(other_empty_database_url)
+    assert migrated == declared
+    # Not an empty comparison: the tables, their shape and their storage are all there.
+    relations = {row[0]: row for row in migrated["relations"]}
+    for table in ("leases", "lease_history", "stale_runs", "migrations"):
+        assert relations[table][1:3] == ("r", "p"), table  # an ordinary, LOGGED table
+    assert relations["leases"][3] == ["fillfactor=70"]
+    assert ("answer", "c") in migrated["types"]
+    checks = [row[3] for row in migrated["constraints"] if row[2] == "c"]
+    assert "CHECK ((expires_at <= hold_until))" in checks
+
+
+# -- the printed script is what install runs -----------------------------------------------------
+
+
+def test_install_runs_exactly_the_printed_script(empty_database_url: str) -> None:
+    executed: list[str] = []
+
+    class Recording(psycopg.Cursor[Any]):
+        def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+            executed.append(str(query))
+            return super().execute(query, params, **kwargs)
+
+    engine = sa.create_engine(libpq_url(empty_database_url, driver="postgresql+psycopg"))
+
+    @sa.event.listens_for(engine, "connect")
+    def record(dbapi_connection: psycopg.Connection[Any], _: object) -> None:
+        dbapi_connection.cursor_factory = Recording
+
+    try:
+        LeaseStore(engine).install()
+    finally:
+        engine.dispose()
+    script = LeaseStore.install_script()
+    assert executed.count(script) == 1
+    for migration in _sql.migrations():
+        assert migration.sql.strip() in script
+    assert _sql.read("functions.sql").strip() in script
+
+
+def test_the_printed_script_installs_through_psql(
+    request: pytest.FixtureRequest,
+    empty_database_url: str,
+    other_empty_database_url: str,
+    tmp_path: Path,
+) -> None:
+    psql = shutil.which("psql")
+    if psql is None:
+        # tests/conftest.py, found by its file: every conftest module is named "conftest".
+        shared = request.config.pluginmanager.get_plugin(str(ROOT / "tests" / "conftest.py"))
+        assert shared is not None
+        shared.missing_service("psql", "not on PATH")
+        return
+    script = tmp_path / "install.sql"
+    script.write_text(LeaseStore.install_script(), encoding="utf-8")
+    command = [psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", libpq_url(other_empty_database_url)]
+    for _ in range(2):  # idempotent from psql too
+        subprocess.run([*command, "-f", str(script)], check=True, capture_output=True, timeout=60)
+    install(empty_database_url)
+    assert catalog(other_empty_database_url) == catalog(empty_database_url)
+    assert migrations_applied(other_empty_database_url) == expected_migrations()
+
+
+# -- the wheel ships the SQL ---------------------------------------------------------------------
+
+
+def test_the_wheel_contains_the_sql(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path)]
+    if importlib.util.find_spec("hatchling") is not None:
+        command.append("--no-build-isolation")
+    built = subprocess.run([*command, str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    [wheel] = tmp_path.glob("celery_fence-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        shipped = {
+            path.relative_to(ROOT / "sql").as_posix(): archive.read(
+                f"celery_fence/sql/{path.relative_to(ROOT / 'sql').as_posix()}"
+            )
+            for path in (ROOT / "sql").rglob("*.sql")
+        }
+    assert {"bootstrap.sql", "functions.sql", "queries.sql", "schema.sql"} <= set(shipped)
+    assert any(name.startswith("migrations/") for name in shipped)
+    for relative, content in shipped.items():
+        assert content == (ROOT / "sql" / relative).read_bytes(), relative
+    assert "celery_fence/py.typed" in names
+
+
+# -- a clear error where the schema is missing ---------------------------------------------------
+
+
+def some_lease() -> Lease:
+    moment = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    return Lease(
+        name="x", environment="default", holder="h", purpose="", epoch=1, token=uuid.uuid4(),
+        acquired_at=moment, expires_at=moment, hold_until=moment, ttl=10.0, deadline=1e12,
+    )  # fmt: skip
+
+
+CALLS: dict[str, Callable[[LeaseStore], object]] = {
+    "acquire": lambda store: store.acquire("x", holder="h", ttl=10),
+    "renew": lambda store: store.renew(some_lease()),
+    "release": lambda store: store.release(some_lease()),
+    "owner": lambda store: store.owner("x"),
+    "leases": lambda store: store.leases(),
+    "stale_runs": lambda store: store.stale_runs(),
+    "history": lambda store: store.history("x"),
+    "pause": lambda store: store.pause("x", reason="r"),
+    "resume": lambda store: store.resume("x"),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_a_missing_schema_says_to_install(empty_database_url: str, call: str) -> None:
+    store = LeaseStore.from_url(empty_database_url)
+    try:
+        with pytest.raises(SchemaNotInstalledError, match="celery-fence install") as caught:
+            CALLS[call](store)
+    finally:
+        store.engine.dispose()
+    # The driver's own error is kept as the cause, whichever layer raised it.
+    cause = caught.value.__cause__
+    assert isinstance(cause, (sa.exc.DBAPIError, store.engine.dialect.loaded_dbapi.Error))
+    assert "celery_fence" in str(cause)
+
+
+def test_a_missing_schema_says_to_install_inside_a_guard(
+    empty_database_url: str,
+) -> None:
+    store = LeaseStore.from_url(empty_database_url)
+    try:
+        with (
+            pytest.raises(SchemaNotInstalledError, match="celery-fence install"),
+            store.engine.begin() as conn,
+            store.guard(some_lease(), conn, action="write"),
+        ):
+            conn.exec_driver_sql("SELECT 1")
+    finally:
+        store.engine.dispose()
