@@ -316,12 +316,13 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 @click.option(
     "--max-hold",
     type=float,
-    help="Seconds renewals may extend it to [default: the TTL or 1 day, the longer].",
+    help="Seconds it may be held in all, renewals included [default: the longer of TTL, 1 day].",
 )
 @click.option("--purpose", default="", help="What the lease is for (shown to other holders).")
 @click.option(
     "--start-barrier",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
+    metavar="DIR",
     help="Write DIR/ready.PID once connected, then wait for DIR/go before acquiring (races).",
 )
 @click.pass_obj
@@ -393,7 +394,7 @@ def _read_identity(stream: IO[str]) -> dict[str, Any]:
 
 
 def held_lease(
-    *, name: str, environment: str, holder: str, epoch: object, token: object, ttl: float
+    *, name: str, environment: str, holder: str, epoch: object, token: object, ttl: object
 ) -> Lease:
     """A :class:`Lease` for renew and release, rebuilt from its holder's identity.
 
@@ -406,6 +407,8 @@ def held_lease(
         parsed_token = UUID(str(token))
     except ValueError as exc:
         raise ConfigurationError("token must be a UUID") from exc
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise ConfigurationError(f"ttl must be a number of seconds, got {ttl!r}")
     return Lease(
         name=validation.check_name(name),
         environment=validation.check_environment(environment),
@@ -416,7 +419,7 @@ def held_lease(
         acquired_at=_UNKNOWN_TIME,
         expires_at=_UNKNOWN_TIME,
         hold_until=_UNKNOWN_TIME,
-        ttl=ttl,
+        ttl=float(ttl),
         deadline=time.monotonic() + ttl,
     )
 
@@ -562,7 +565,9 @@ def _paused(owner: Owner) -> str | None:
 environment_filter = click.option(
     "--environment", "environment_filter", help="Only this environment [default: all]."
 )
-limit_option = click.option("--limit", type=int, default=100, show_default=True)
+limit_option = click.option(
+    "--limit", type=int, default=100, show_default=True, help="Most rows to show (1 to 10000)."
+)
 
 
 @main.command()
@@ -647,8 +652,10 @@ def stale_runs(
             ("RECORDED_AT", lambda r: r.recorded_at),
             ("ENVIRONMENT", lambda r: r.environment),
             ("LEASE", lambda r: r.lease_name),
-            ("STALE", lambda r: f"{r.stale_holder}@{_cell(r.stale_epoch)}"),
-            ("CURRENT", lambda r: f"{_cell(r.current_holder)}@{_cell(r.current_epoch)}"),
+            ("STALE_EPOCH", lambda r: r.stale_epoch),
+            ("STALE_HOLDER", lambda r: r.stale_holder),
+            ("CURRENT_EPOCH", lambda r: r.current_epoch),
+            ("CURRENT_HOLDER", lambda r: r.current_holder),
             ("REASON", lambda r: r.reason),
             ("ACTION", lambda r: r.action),
             ("ENFORCED", lambda r: r.enforced),
@@ -740,7 +747,12 @@ def _release_barrier(barrier: Path, clients: Sequence[subprocess.Popen[str]]) ->
 
 
 def _answer(holder: str, client: subprocess.Popen[str]) -> RaceAnswer:
-    out, err = client.communicate(timeout=BARRIER_TIMEOUT)
+    try:
+        out, err = client.communicate(timeout=BARRIER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return RaceAnswer(
+            holder=holder, exit_code=-1, answer=None, error=f"no answer in {BARRIER_TIMEOUT:g} s"
+        )
     try:
         answer = json.loads(out) if out.strip() else None
     except json.JSONDecodeError:
@@ -783,7 +795,13 @@ def race(settings: Settings, name: str, clients: int, ttl: float) -> list[RaceAn
 
 
 @main.command()
-@click.option("--clients", type=click.IntRange(2, 32), default=2, show_default=True)
+@click.option(
+    "--clients",
+    type=click.IntRange(2, 32),
+    default=2,
+    show_default=True,
+    help="How many acquire processes race.",
+)
 @click.option("--name", default="canary", show_default=True, help="The lease to race on.")
 @click.option(
     "--ttl",
@@ -802,12 +820,16 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     """
     store = settings.store()
     seed = _seed(store, name)
-    click.echo(f"canary: {seed.holder} holds {name} at epoch {seed.epoch} for 1 s; waiting")
+    click.echo(
+        f"canary: {seed.holder} holds {name} at epoch {seed.epoch} "
+        f"for {CANARY_SEED_TTL:g} s; waiting"
+    )
     _wait_until_free(store, name)
     click.echo(f"canary: {name} expired; {clients} clients race for it")
     answers = race(settings, name, clients, ttl)
     for answer in answers:
-        echo_json(answer.answer)
+        if answer.answer is not None:
+            echo_json(answer.answer)
     problems = race_problems(seed.epoch, answers, store.owner(name))
     if problems:
         raise CommandError("canary: FAILED: " + "; ".join(problems))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
@@ -127,7 +128,9 @@ class LeaseStore:
     ``max_ttl`` bounds every TTL this store asks for. ``lock_timeout`` bounds how long an
     acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
-    could hand the lease on.
+    could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
+    on up to ``2 * pool_size`` connections of the store's own, opened from ``engine.url``; fenced
+    writes run on the caller's connection.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class LeaseStore:
         lock_timeout: float = 2.0,
         safety_margin: float = 0.1,
         default_environment: str = "default",
+        pool_size: int = 5,
     ) -> None:
         self.engine = engine
         self.clock = clock
@@ -149,7 +153,16 @@ class LeaseStore:
         self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
         self.default_environment = validation.check_environment(default_environment)
         self.metrics = Metrics()
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        # Protocol calls are single autocommit statements on connections of the store's own, so
+        # nothing needs resetting when a connection goes back to the pool.
+        self._autocommit = sa.create_engine(
+            engine.url,
+            isolation_level="AUTOCOMMIT",
+            pool_reset_on_return=None,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+        )
+        weakref.finalize(self, self._autocommit.dispose)
         self._queries = {name: sa.text(sql) for name, sql in _sql.queries().items()}
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
@@ -164,15 +177,21 @@ class LeaseStore:
     def dedicated(self) -> LeaseStore:
         """A store with the same settings on a connection of its own (for renewal threads), so
         that a busy pool in the work never starves the lease."""
-        engine = sa.create_engine(self.engine.url, pool_size=1, max_overflow=0)
         return LeaseStore(
-            engine,
+            self.engine,
+            pool_size=1,
             clock=self.clock,
             max_ttl=self.max_ttl,
             lock_timeout=self.lock_timeout,
             safety_margin=self.safety_margin,
             default_environment=self.default_environment,
         )
+
+    def dispose(self, *, close: bool = True) -> None:
+        """Dispose of the store's own connections and the engine's (``close=False`` after a
+        fork, so the parent's connections are left alone)."""
+        self._autocommit.dispose(close=close)
+        self.engine.dispose(close=close)
 
     # -- schema -----------------------------------------------------------------------------
 

@@ -249,7 +249,7 @@ class Fence:
         self._pid = os.getpid()
         for store in (self._store, self._keeper_store):
             if store is not None:
-                store.engine.dispose(close=False)
+                store.dispose(close=False)
 
     # -- the decorator ----------------------------------------------------------------------
 
@@ -314,9 +314,7 @@ class Fence:
 
     # -- running ----------------------------------------------------------------------------
 
-    def begin(
-        self, task: FencedTask, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> FencedRun:
+    def begin(self, task: FencedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FencedRun:
         """Decide how ``task`` runs: under a new lease, its publisher's epoch, or unfenced."""
         settings = self.settings
         arguments = task.arguments(args, kwargs)
