@@ -36,7 +36,7 @@ class LeaseError(FenceError):
         self,
         message: str,
         *,
-        lease_name: str,
+        lease_name: str = "",
         epoch: int | None = None,
         owner: Owner | None = None,
         reason: str | None = None,

@@ -155,14 +155,14 @@ class LeaseStore:
         self.metrics = Metrics()
         # Protocol calls are single autocommit statements on connections of the store's own, so
         # nothing needs resetting when a connection goes back to the pool.
-        self._autocommit = sa.create_engine(
+        self.protocol_engine = sa.create_engine(
             engine.url,
             isolation_level="AUTOCOMMIT",
             pool_reset_on_return=None,
             pool_size=pool_size,
             max_overflow=pool_size,
         )
-        weakref.finalize(self, self._autocommit.dispose)
+        weakref.finalize(self, self.protocol_engine.dispose)
         self._queries = {name: sa.text(sql) for name, sql in _sql.queries().items()}
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
@@ -190,7 +190,7 @@ class LeaseStore:
     def dispose(self, *, close: bool = True) -> None:
         """Dispose of the store's own connections and the engine's (``close=False`` after a
         fork, so the parent's connections are left alone)."""
-        self._autocommit.dispose(close=close)
+        self.protocol_engine.dispose(close=close)
         self.engine.dispose(close=close)
 
     # -- schema -----------------------------------------------------------------------------
@@ -626,7 +626,7 @@ class LeaseStore:
         """Run a named query in autocommit on a pooled connection; wrap driver errors."""
         statement = self._statements[query]
         try:
-            with self._autocommit.connect() as conn:
+            with self.protocol_engine.connect() as conn:
                 cursor = conn.connection.cursor()
                 try:
                     cursor.execute(statement.sql, statement.parameters(params))

@@ -1,0 +1,415 @@
+"""Fenced writes: ``LeaseStore.guard`` lets the caller's own writes commit only under a held epoch.
+
+The timelines that matter (pitfall 2) are forced with threads, events and separate connections,
+and observed in ``pg_stat_activity``: a write that waits on a row lock while its lease passes to
+a successor must never commit after the successor's epoch exists.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+from freezegun import freeze_time
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from celery_fence import Lease, LeaseStore, StaleEpochError
+from celery_fence.store import Executor
+
+NAME = "release:prod"
+ENVIRONMENT = "prod"
+WAIT = 10.0
+
+UPDATE = sa.text("UPDATE protected SET value = :value WHERE id = 1")
+Expire = Callable[[str], None]
+
+
+@pytest.fixture
+def protected(engine: Engine) -> Engine:
+    """The caller's table, with one row, and an audit trail of every committed change to it."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            """
+            CREATE TABLE protected (id int PRIMARY KEY, value text NOT NULL);
+            CREATE TABLE protected_audit (
+                seq bigint GENERATED ALWAYS AS IDENTITY, value text NOT NULL
+            );
+            CREATE FUNCTION audit_protected() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO protected_audit (value) VALUES (NEW.value);
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER protected_audit AFTER INSERT OR UPDATE ON protected
+                FOR EACH ROW EXECUTE FUNCTION audit_protected();
+            INSERT INTO protected VALUES (1, 'initial');
+            """
+        )
+    return engine
+
+
+def protected_value(engine: Engine) -> str:
+    with engine.connect() as conn:
+        return str(conn.exec_driver_sql("SELECT value FROM protected WHERE id = 1").scalar_one())
+
+
+def committed_values(engine: Engine) -> list[str]:
+    """Every value ever committed to the protected row, in order."""
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT value FROM protected_audit ORDER BY seq")
+        return [str(value) for value in rows.scalars()]
+
+
+def acquire(store: LeaseStore, holder: str, ttl: float = 300) -> Lease:
+    got = store.acquire(NAME, holder=holder, ttl=ttl, environment=ENVIRONMENT)
+    assert got.lease is not None, got
+    return got.lease
+
+
+@contextmanager
+def transaction(engine: Engine, kind: str) -> Iterator[Executor]:
+    """One transaction on a SQLAlchemy Connection or Session, committed unless it raises."""
+    if kind == "connection":
+        with engine.begin() as conn:
+            yield conn
+    else:
+        with Session(engine) as session, session.begin():
+            yield session
+
+
+# -- the guard commits only while held --------------------------------------------------------
+
+KINDS = ["connection", "session"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_guard_commits_writes_while_held(store: LeaseStore, protected: Engine, kind: str) -> None:
+    lease = acquire(store, "release-41")
+    with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish") as inside:
+        assert inside is lease
+        conn.execute(UPDATE, {"value": "published"})
+    assert protected_value(protected) == "published"
+    assert store.stale_runs() == []
+    assert store.metrics.get("guard.committed") == 1
+
+
+def lose(reason: str, store: LeaseStore, lease: Lease, expire_lease: Expire) -> None:
+    """End ``lease`` the way ``reason`` says: it expired, a successor took it, an operator
+    paused it, or its holder released it."""
+    if reason in ("expired", "superseded"):
+        expire_lease(lease.name)
+    if reason == "superseded":
+        acquire(store, "release-42")
+    elif reason == "paused":
+        store.pause(lease.name, reason="investigating", by="ops")
+    elif reason == "released":
+        store.release(lease)
+
+
+def write_update_and_insert(
+    store: LeaseStore, lease: Lease, within: AbstractContextManager[Executor], ran: list[str]
+) -> None:
+    """An UPDATE and an INSERT under the guard, in the transaction ``within`` opens."""
+    with within as conn, store.guard(lease, conn, action="publish manifest"):
+        conn.execute(UPDATE, {"value": "stale"})
+        ran.append("update")
+        conn.execute(sa.text("INSERT INTO protected VALUES (2, 'stale')"))
+        ran.append("insert")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reason", ["expired", "paused", "released", "superseded"])
+def test_guard_rejects_a_lost_lease_and_records_it(
+    store: LeaseStore, protected: Engine, kind: str, reason: str, expire_lease: Expire
+) -> None:
+    lease = acquire(store, "release-41")
+    lose(reason, store, lease, expire_lease)
+    current = store.owner(NAME)
+    assert current is not None
+    ran: list[str] = []
+    with pytest.raises(StaleEpochError) as caught:
+        write_update_and_insert(store, lease, transaction(protected, kind), ran)
+    assert ran == ["update", "insert"]
+    assert (caught.value.reason, caught.value.epoch, caught.value.lease_name) == (
+        reason,
+        lease.epoch,
+        NAME,
+    )
+    assert caught.value.owner is not None
+    assert (caught.value.owner.epoch, caught.value.owner.holder) == (current.epoch, current.holder)
+    # No trace in the caller's tables; the record survives the rollback.
+    assert protected_value(protected) == "initial"
+    assert committed_values(protected) == ["initial"]
+    [run] = store.stale_runs(environment=ENVIRONMENT)
+    assert (run.lease_name, run.action, run.reason, run.enforced) == (
+        NAME,
+        "publish manifest",
+        reason,
+        True,
+    )
+    assert (run.stale_epoch, run.stale_holder) == (lease.epoch, "release-41")
+    assert (run.current_epoch, run.current_holder) == (current.epoch, current.holder)
+
+
+def test_shadow_mode_commits_and_records_what_would_be_rejected(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    lease = acquire(store, "release-41")
+    with protected.begin() as conn, store.guard(lease, conn, action="publish", enforce=True):
+        conn.execute(UPDATE, {"value": "held"})
+    lose("superseded", store, lease, expire_lease)
+    with protected.begin() as conn, store.guard(lease, conn, action="publish", enforce=False):
+        conn.execute(UPDATE, {"value": "shadow"})
+    assert committed_values(protected) == ["initial", "held", "shadow"]
+    [run] = store.stale_runs(environment=ENVIRONMENT)
+    assert (run.reason, run.action, run.enforced, run.current_holder) == (
+        "superseded",
+        "publish",
+        False,
+        "release-42",
+    )
+
+
+@pytest.mark.parametrize("enforce", [True, False])
+def test_a_lease_past_its_local_deadline_is_rejected_before_the_body(
+    fake_store: LeaseStore, protected: Engine, enforce: bool
+) -> None:
+    with freeze_time("2030-01-01T00:00:00+00:00") as frozen:
+        lease = acquire(fake_store, "release-41", ttl=10)
+        # 9.5 s of 10: the database still holds the lease for us, but the holder keeps a safety
+        # margin of 10 % and no longer trusts it.
+        frozen.tick(9.5)
+        owner = fake_store.owner(NAME)
+        assert owner is not None
+        assert owner.state == "held"
+        assert not lease.trusted
+        body_ran = False
+        with protected.begin() as conn:
+            if enforce:
+                with (
+                    pytest.raises(StaleEpochError) as caught,
+                    fake_store.guard(lease, conn, action="publish"),
+                ):
+                    body_ran = True
+                assert caught.value.reason == "expired"
+                assert caught.value.owner == owner
+            else:
+                with fake_store.guard(lease, conn, action="publish", enforce=False):
+                    body_ran = True
+                    conn.execute(UPDATE, {"value": "shadow"})
+    assert body_ran is not enforce
+    assert protected_value(protected) == ("initial" if enforce else "shadow")
+    [run] = fake_store.stale_runs()
+    assert (run.reason, run.action, run.enforced, run.current_epoch) == (
+        "expired",
+        "publish",
+        enforce,
+        lease.epoch,
+    )
+
+
+# -- pitfall 2: a fenced write that waits on a row lock while its lease passes on ---------------
+
+
+def backend_pid(conn: Executor) -> int:
+    return int(conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def wait_until_blocked(engine: Engine, pid: int) -> list[int]:
+    """Wait until backend ``pid`` waits for a lock; return the backends blocking it."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            blockers = conn.execute(
+                sa.text("SELECT pg_blocking_pids(:pid)"), {"pid": pid}
+            ).scalar_one()
+        if blockers:
+            return list(blockers)
+        time.sleep(0.002)
+    raise AssertionError(f"backend {pid} never waited for a lock")
+
+
+def blocked_write(
+    pool: ThreadPoolExecutor,
+    engine: Engine,
+    write: Callable[[Executor], None],
+) -> tuple[Future[None], int]:
+    """Start ``write`` in a transaction of its own; return once it waits for a row lock."""
+    pid_ready: Future[int] = Future()
+
+    def run() -> None:
+        with engine.begin() as conn:
+            pid_ready.set_result(backend_pid(conn))
+            write(conn)
+
+    done = pool.submit(run)
+    pid = pid_ready.result(timeout=WAIT)
+    wait_until_blocked(engine, pid)
+    return done, pid
+
+
+def guarded(store: LeaseStore, lease: Lease, value: str) -> Callable[[Executor], None]:
+    def write(conn: Executor) -> None:
+        with store.guard(lease, conn, action=f"write {value}"):
+            conn.execute(UPDATE, {"value": value})
+
+    return write
+
+
+@contextmanager
+def third_party_lock(engine: Engine) -> Iterator[None]:
+    """Another session holds the protected row locked until the block ends."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("SELECT 1 FROM protected WHERE id = 1 FOR UPDATE")
+        yield
+
+
+def test_a_write_waiting_on_a_row_lock_never_commits_after_the_successor_epoch(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    rounds = 20
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for round_number in range(rounds):
+            stale = acquire(store, f"H-{round_number}")
+            with third_party_lock(protected):
+                h_done, _ = blocked_write(
+                    pool, protected, guarded(store, stale, f"H-{round_number}")
+                )
+                # H waits for the row, not for the lease: the lease expires and S takes it at once.
+                expire_lease(NAME)
+                started = time.monotonic()
+                got = store.acquire(
+                    NAME, holder=f"S-{round_number}", ttl=300, environment=ENVIRONMENT
+                )
+                assert got.outcome == "acquired"
+                assert time.monotonic() - started < store.lock_timeout
+                successor = got.lease
+                assert successor is not None
+                assert successor.epoch == stale.epoch + 1
+                s_done, _ = blocked_write(
+                    pool, protected, guarded(store, successor, f"S-{round_number}")
+                )
+            # The third party commits: H gets the row first, then its fence finds epoch + 1.
+            with pytest.raises(StaleEpochError) as caught:
+                h_done.result(timeout=WAIT)
+            assert caught.value.reason == "superseded"
+            assert caught.value.owner is not None
+            assert caught.value.owner.epoch == successor.epoch
+            s_done.result(timeout=WAIT)
+            assert protected_value(protected) == f"S-{round_number}"
+            store.release(successor)
+    assert committed_values(protected) == ["initial"] + [f"S-{n}" for n in range(rounds)]
+    runs = store.stale_runs(limit=rounds)
+    assert [(run.stale_holder, run.current_holder, run.reason) for run in runs] == [
+        (f"H-{n}", f"S-{n}", "superseded") for n in reversed(range(rounds))
+    ]
+
+
+def test_the_same_timeline_defeats_a_check_without_a_row_lock(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    """Why the guard locks the lease row: an ``EXISTS`` check in the UPDATE itself, from the
+    statement's snapshot, lets the stale write commit after the successor's epoch exists."""
+    stale = acquire(store, "H")
+
+    def unsafe(conn: Executor) -> None:
+        conn.execute(
+            sa.text(
+                "UPDATE protected SET value = 'H' WHERE id = 1 AND EXISTS ("
+                " SELECT 1 FROM celery_fence.leases WHERE name = :name AND epoch = :epoch"
+                " AND token = :token AND expires_at > clock_timestamp())"
+            ),
+            {"name": NAME, "epoch": stale.epoch, "token": stale.token},
+        )
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        with third_party_lock(protected):
+            h_done, _ = blocked_write(pool, protected, unsafe)
+            expire_lease(NAME)
+            assert store.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+        h_done.result(timeout=WAIT)
+    assert committed_values(protected) == ["initial", "H"]
+
+
+class FencedHolder:
+    """H: a guarded write that has passed its fence check (the lease row is locked FOR SHARE)
+    and keeps its transaction open until told to commit."""
+
+    def __init__(self, pool: ThreadPoolExecutor, store: LeaseStore, lease: Lease) -> None:
+        self.fenced = threading.Event()
+        self.commit = threading.Event()
+        self.pid: Future[int] = Future()
+        self.done = pool.submit(self._run, store, lease)
+        assert self.fenced.wait(WAIT)
+
+    def _run(self, store: LeaseStore, lease: Lease) -> None:
+        with store.engine.begin() as conn:
+            self.pid.set_result(backend_pid(conn))
+            guarded(store, lease, "H")(conn)
+            self.fenced.set()
+            assert self.commit.wait(WAIT)
+
+
+def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
+    """A store whose clock reads past the lease's expiry: for it, the lease is free to take."""
+    return LeaseStore(
+        engine,
+        clock=lambda: datetime.now(timezone.utc) + timedelta(seconds=600),
+        lock_timeout=lock_timeout,
+    )
+
+
+def test_an_acquirer_behind_a_fenced_writer_answers_busy(
+    store: LeaseStore, protected: Engine
+) -> None:
+    stale = acquire(store, "H")
+    late = late_store(protected, lock_timeout=0.2)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        holder = FencedHolder(pool, store, stale)
+        started = time.monotonic()
+        got = late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT)
+        waited = time.monotonic() - started
+        holder.commit.set()
+        holder.done.result(timeout=WAIT)
+    assert (got.outcome, got.lease) == ("busy", None)
+    assert got.owner is not None
+    assert (got.owner.holder, got.owner.epoch) == ("H", stale.epoch)
+    assert 0.2 <= waited < 2
+    assert late.metrics.get("acquire.busy") == 1
+    # The busy attempt changed nothing; H's write committed under its epoch.
+    assert committed_values(protected) == ["initial", "H"]
+    assert [entry.epoch for entry in store.history(NAME)] == [stale.epoch]
+    assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+
+def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(
+    store: LeaseStore, protected: Engine
+) -> None:
+    stale = acquire(store, "H")
+    late = late_store(protected, lock_timeout=5).dedicated()
+    with late.protocol_engine.connect() as conn:
+        late_pid = backend_pid(conn)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            holder = FencedHolder(pool, store, stale)
+            got = pool.submit(late.acquire, NAME, holder="S", ttl=300, environment=ENVIRONMENT)
+            # S waits for H's transaction, and for nothing else.
+            assert wait_until_blocked(protected, late_pid) == [holder.pid.result()]
+            assert not got.done()
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+            successor = got.result(timeout=WAIT)
+    finally:
+        late.protocol_engine.dispose()
+    assert successor.outcome == "acquired"
+    assert successor.lease is not None
+    assert successor.lease.epoch == stale.epoch + 1
+    # H's write was ordered before S's epoch: it committed, then S's acquisition did.
+    assert committed_values(protected) == ["initial", "H"]
+    assert store.stale_runs() == []

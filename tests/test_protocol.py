@@ -1,0 +1,476 @@
+"""The lease protocol through LeaseStore: acquire, renew, release, pause, history, stale runs.
+
+Time is moved with freezegun through ``fake_store`` (whose SQL then uses the injected clock), or
+by ageing rows in SQL; nothing here sleeps through a TTL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import sqlalchemy as sa
+from freezegun import freeze_time
+from freezegun.api import FrozenDateTimeFactory
+from sqlalchemy.engine import Engine
+
+from celery_fence import (
+    Acquisition,
+    Lease,
+    LeaseLostError,
+    LeasePausedError,
+    LeaseStore,
+    Owner,
+    StaleEpochError,
+)
+from celery_fence.store import proof
+
+START = datetime(2030, 1, 1, tzinfo=timezone.utc)
+NAME = "release:prod"
+
+
+@pytest.fixture
+def frozen() -> Iterator[FrozenDateTimeFactory]:
+    # pytest's own clock stays real, so that its reported durations do too.
+    with freeze_time(START, ignore=["_pytest.timing"]) as factory:
+        assert isinstance(factory, FrozenDateTimeFactory)
+        yield factory
+
+
+@pytest.fixture
+def protected(engine: Engine) -> Engine:
+    """A table of the caller's own that fenced writes protect, with one row."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE protected (id int PRIMARY KEY, value text NOT NULL)")
+        conn.exec_driver_sql("INSERT INTO protected VALUES (1, 'initial')")
+    return engine
+
+
+def protected_value(engine: Engine) -> str:
+    with engine.connect() as conn:
+        return str(conn.exec_driver_sql("SELECT value FROM protected WHERE id = 1").scalar_one())
+
+
+def fenced_update(store: LeaseStore, lease: Lease, value: str, action: str) -> None:
+    with store.engine.begin() as conn, store.guard(lease, conn, action=action):
+        conn.execute(sa.text("UPDATE protected SET value = :v WHERE id = 1"), {"v": value})
+
+
+def held(got: Acquisition) -> Lease:
+    assert got.acquired, got
+    assert got.lease is not None
+    return got.lease
+
+
+def lease_row(engine: Engine, name: str) -> dict[str, object]:
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.text(
+                "SELECT *, xmin::text, xmax::text, ctid::text"
+                " FROM celery_fence.leases WHERE name = :n"
+            ),
+            {"n": name},
+        )
+        return dict(row.mappings().one())
+
+
+# -- a valid lease cannot be replaced early ---------------------------------------------------
+
+
+def test_another_holder_cannot_take_a_valid_lease(store: LeaseStore) -> None:
+    lease = held(store.acquire(NAME, holder="release-41", ttl=30, environment="prod"))
+    before = lease_row(store.engine, NAME)
+    loser = store.acquire(NAME, holder="release-42", ttl=30, environment="prod")
+    assert (loser.outcome, loser.lease) == ("held", None)
+    assert loser.owner is not None
+    assert (loser.owner.holder, loser.owner.epoch) == ("release-41", lease.epoch)
+    assert loser.owner.expires_at == lease.expires_at
+    assert lease_row(store.engine, NAME) == before
+
+
+def test_the_same_holder_name_without_its_token_is_a_loser(store: LeaseStore) -> None:
+    lease = held(store.acquire(NAME, holder="beat@host-a", ttl=30, environment="prod"))
+    again = store.acquire(NAME, holder="beat@host-a", ttl=30, environment="prod")
+    assert (again.outcome, again.lease) == ("held", None)
+    assert again.owner is not None
+    assert again.owner.epoch == lease.epoch
+    # The first acquisition is untouched and still renews.
+    assert store.renew(lease).epoch == lease.epoch
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        pytest.param(lambda lease: dataclasses.replace(lease, token=uuid.uuid4()), id="token"),
+        pytest.param(lambda lease: dataclasses.replace(lease, epoch=lease.epoch + 1), id="epoch"),
+    ],
+)
+def test_forged_lease_is_rejected_and_recorded(
+    store: LeaseStore, protected: Engine, forge: Callable[[Lease], Lease]
+) -> None:
+    lease = held(store.acquire(NAME, holder="beat@host-a", ttl=30, environment="prod"))
+    forged = forge(lease)
+    with pytest.raises(LeaseLostError) as renewed:
+        store.renew(forged)
+    with pytest.raises(LeaseLostError) as released:
+        store.release(forged)
+    with pytest.raises(StaleEpochError) as written:
+        fenced_update(store, forged, "forged", "publish")
+    for caught in (renewed, released, written):
+        assert caught.value.reason == "forged"
+        assert caught.value.owner is not None
+        assert caught.value.owner.epoch == lease.epoch
+    assert protected_value(protected) == "initial"
+    runs = store.stale_runs(environment="prod")
+    assert [(run.action, run.reason, run.stale_epoch) for run in runs] == [
+        ("publish", "forged", forged.epoch),
+        ("release", "forged", forged.epoch),
+        ("renew", "forged", forged.epoch),
+    ]
+    # The real holder keeps its lease through all of it.
+    assert store.renew(lease).epoch == lease.epoch
+    assert store.owner(NAME) is not None
+
+
+# -- renew ------------------------------------------------------------------------------------
+
+
+def test_renew_keeps_the_epoch_and_extends_expiry(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    lease = held(fake_store.acquire(NAME, holder="a", ttl=10, environment="prod"))
+    assert lease.expires_at == START + timedelta(seconds=10)
+    frozen.tick(4)
+    renewed = fake_store.renew(lease)
+    assert renewed.epoch == lease.epoch
+    assert renewed.token == lease.token
+    assert renewed.expires_at == START + timedelta(seconds=14)
+    # Renewing twice with the same arguments is harmless: same epoch, same expiry.
+    again = fake_store.renew(lease)
+    assert (again.epoch, again.expires_at) == (renewed.epoch, renewed.expires_at)
+    owner = fake_store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.expires_at, owner.renewed_at) == (
+        1,
+        renewed.expires_at,
+        START + timedelta(seconds=4),
+    )
+    assert fake_store.stale_runs() == []
+
+
+def test_renew_cannot_extend_past_max_hold(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    lease = held(fake_store.acquire(NAME, holder="a", ttl=10, max_hold=25, environment="prod"))
+    assert lease.hold_until == START + timedelta(seconds=25)
+    expiries = []
+    for _ in range(3):
+        frozen.tick(8)
+        lease = fake_store.renew(lease)
+        expiries.append(lease.expires_at - START)
+    assert expiries == [timedelta(seconds=18), timedelta(seconds=25), timedelta(seconds=25)]
+    frozen.tick(2)  # 26 s: past the maximum hold
+    with pytest.raises(LeaseLostError) as caught:
+        fake_store.renew(lease)
+    assert caught.value.reason == "expired"
+    # Past the hold, anyone may take the lease, with a new epoch.
+    assert held(fake_store.acquire(NAME, holder="b", ttl=10, environment="prod")).epoch == 2
+
+
+# -- release ----------------------------------------------------------------------------------
+
+
+def test_release_frees_the_lease_at_once_and_twice_is_harmless(store: LeaseStore) -> None:
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    store.release(lease)
+    store.release(lease)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.state == "released"
+    successor = held(store.acquire(NAME, holder="b", ttl=300, environment="prod"))
+    assert successor.epoch == lease.epoch + 1
+    assert store.stale_runs() == []
+
+
+def test_history_records_each_epoch_and_how_it_ended(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    first = held(
+        fake_store.acquire(NAME, holder="release-1", ttl=10, environment="prod", purpose="v1")
+    )
+    frozen.tick(3)
+    fake_store.release(first)
+    second = held(
+        fake_store.acquire(NAME, holder="release-2", ttl=10, environment="prod", purpose="v2")
+    )
+    frozen.tick(30)
+    third = held(
+        fake_store.acquire(NAME, holder="release-3", ttl=10, environment="prod", purpose="v3")
+    )
+    entries = fake_store.history(NAME)
+    assert [(e.epoch, e.holder, e.purpose, e.end_reason) for e in entries] == [
+        (3, "release-3", "v3", None),
+        (2, "release-2", "v2", "expired"),
+        (1, "release-1", "v1", "released"),
+    ]
+    assert [e.acquired_at for e in entries] == [
+        third.acquired_at,
+        second.acquired_at,
+        first.acquired_at,
+    ]
+    assert [e.ended_at for e in entries] == [None, second.expires_at, START + timedelta(seconds=3)]
+    assert {e.environment for e in entries} == {"prod"}
+    assert [e.epoch for e in fake_store.history(NAME, limit=1)] == [3]
+
+
+# -- pause / resume ---------------------------------------------------------------------------
+
+
+def test_pause_blocks_acquisition_and_renewal_until_resumed(store: LeaseStore) -> None:
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    paused = store.pause(NAME, reason="investigating double publish", by="oncall@ops")
+    assert (paused.paused, paused.paused_by, paused.paused_reason) == (
+        True,
+        "oncall@ops",
+        "investigating double publish",
+    )
+    store.release(lease)
+    store.release(lease)  # releasing twice stays harmless on a paused lease
+    with pytest.raises(LeasePausedError) as caught:
+        store.acquire(NAME, holder="b", ttl=300, environment="prod")
+    assert caught.value.reason == "paused"
+    assert caught.value.lease_name == NAME
+    assert caught.value.owner is not None
+    assert caught.value.owner.paused_by == "oncall@ops"
+    assert caught.value.owner.paused_reason == "investigating double publish"
+    assert "oncall@ops" in str(caught.value)
+    resumed = store.resume(NAME)
+    assert (resumed.paused, resumed.paused_by, resumed.paused_reason) == (False, None, None)
+    assert (
+        held(store.acquire(NAME, holder="b", ttl=300, environment="prod")).epoch == lease.epoch + 1
+    )
+    assert store.stale_runs() == []
+
+
+def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    store.pause(NAME, reason="freeze", by="ops")
+    with pytest.raises(LeaseLostError) as caught:
+        store.renew(lease)
+    assert caught.value.reason == "paused"
+    assert caught.value.owner is not None
+    assert caught.value.owner.paused_by == "ops"
+    [run] = store.stale_runs(environment="prod")
+    assert (run.action, run.reason, run.stale_epoch, run.current_epoch) == ("renew", "paused", 1, 1)
+    store.resume(NAME)
+    # Resuming gives the lease back to its holder while it has not expired.
+    assert store.renew(lease).epoch == lease.epoch
+
+
+def test_pausing_a_lease_never_acquired_then_resuming_starts_at_epoch_one(
+    store: LeaseStore,
+) -> None:
+    store.pause("scheduler:retention", reason="not yet", by="ops", environment="staging")
+    with pytest.raises(LeasePausedError):
+        store.acquire("scheduler:retention", holder="beat", ttl=30, environment="staging")
+    store.resume("scheduler:retention")
+    lease = held(store.acquire("scheduler:retention", holder="beat", ttl=30, environment="staging"))
+    assert lease.epoch == 1
+    assert [e.epoch for e in store.history("scheduler:retention")] == [1]
+
+
+# -- a stale holder after fake time has passed ------------------------------------------------
+
+
+def test_superseded_holder_is_rejected_everywhere_and_recorded(
+    fake_store: LeaseStore, protected: Engine, frozen: FrozenDateTimeFactory
+) -> None:
+    old = held(fake_store.acquire(NAME, holder="release-41", ttl=10, environment="prod"))
+    frozen.tick(11)
+    new = held(fake_store.acquire(NAME, holder="release-42", ttl=10, environment="prod"))
+    assert new.epoch == old.epoch + 1
+
+    with pytest.raises(LeaseLostError) as renewed:
+        fake_store.renew(old)
+    frozen.tick(1)
+    with pytest.raises(LeaseLostError) as released:
+        fake_store.release(old)
+    frozen.tick(1)
+    # The old holder's own deadline has passed too: the write never reaches the database.
+    with pytest.raises(StaleEpochError) as written:
+        fenced_update(fake_store, old, "release-41", "publish manifest")
+    frozen.tick(1)
+    # A holder whose clock runs slow still trusts its lease; the fence in the database decides.
+    slow_clock = dataclasses.replace(old, deadline=old.deadline + 3600)
+    with pytest.raises(StaleEpochError) as fenced:
+        fenced_update(fake_store, slow_clock, "release-41", "publish manifest")
+
+    expected_reasons = ["superseded", "superseded", "expired", "superseded"]
+    for caught, reason in zip((renewed, released, written, fenced), expected_reasons, strict=True):
+        assert caught.value.reason == reason
+        assert caught.value.epoch == old.epoch
+        assert caught.value.owner is not None
+        assert (caught.value.owner.holder, caught.value.owner.epoch) == ("release-42", new.epoch)
+    assert protected_value(protected) == "initial"
+    runs = fake_store.stale_runs(environment="prod")
+    assert [(r.action, r.reason) for r in runs] == [
+        ("publish manifest", "superseded"),
+        ("publish manifest", "expired"),
+        ("release", "superseded"),
+        ("renew", "superseded"),
+    ]
+    assert [r.recorded_at - START for r in runs] == [timedelta(seconds=s) for s in (14, 13, 12, 11)]
+    for run in runs:
+        assert (run.environment, run.lease_name, run.enforced) == ("prod", NAME, True)
+        assert (run.stale_epoch, run.stale_holder) == (old.epoch, "release-41")
+        assert (run.current_epoch, run.current_holder) == (new.epoch, "release-42")
+    # The successor is unaffected.
+    assert fake_store.renew(new).epoch == new.epoch
+
+
+def test_expired_holder_without_successor_is_rejected_as_expired(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    lease = held(fake_store.acquire(NAME, holder="a", ttl=10, environment="prod"))
+    frozen.tick(10)
+    with pytest.raises(LeaseLostError) as renewed:
+        fake_store.renew(lease)
+    with pytest.raises(LeaseLostError) as released:
+        fake_store.release(lease)
+    for caught in (renewed, released):
+        assert caught.value.reason == "expired"
+        assert caught.value.owner is not None
+        assert (caught.value.owner.epoch, caught.value.owner.state) == (1, "expired")
+    runs = fake_store.stale_runs(environment="prod")
+    assert [(r.action, r.reason, r.current_epoch, r.current_holder) for r in runs] == [
+        ("release", "expired", 1, "a"),
+        ("renew", "expired", 1, "a"),
+    ]
+
+
+def test_stale_runs_filter_by_environment_and_lease_newest_first(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    leases = {
+        env: held(fake_store.acquire(f"release:{env}", holder=f"r-{env}", ttl=5, environment=env))
+        for env in ("prod", "staging")
+    }
+    frozen.tick(6)
+    for env in ("prod", "staging", "prod"):
+        with pytest.raises(LeaseLostError):
+            fake_store.renew(leases[env])
+        frozen.tick(1)
+    prod = fake_store.stale_runs(environment="prod")
+    assert [(r.lease_name, r.recorded_at - START) for r in prod] == [
+        ("release:prod", timedelta(seconds=8)),
+        ("release:prod", timedelta(seconds=6)),
+    ]
+    staging = fake_store.stale_runs(environment="staging")
+    assert [(r.lease_name, r.stale_holder) for r in staging] == [("release:staging", "r-staging")]
+    assert len(fake_store.stale_runs()) == 3
+    assert len(fake_store.stale_runs(lease_name="release:staging")) == 1
+    assert fake_store.stale_runs(environment="prod", limit=1) == prod[:1]
+    assert fake_store.stale_runs(environment="dev") == []
+
+
+# -- what a loser learns and writes ------------------------------------------------------------
+
+
+def test_owner_of_an_unknown_lease_is_none(store: LeaseStore) -> None:
+    assert store.owner("never:taken") is None
+
+
+def test_a_loser_never_receives_the_token(store: LeaseStore) -> None:
+    assert "token" not in {f.name for f in dataclasses.fields(Owner)}
+    held(store.acquire(NAME, holder="a", ttl=30, environment="prod"))
+    loser = store.acquire(NAME, holder="b", ttl=30, environment="prod")
+    assert loser.lease is None
+    assert not hasattr(loser.owner, "token")
+    # Not in the SQL answer either: any client calling the function directly gets no token.
+    with store.engine.connect() as conn:
+        answer = conn.execute(
+            sa.text(
+                "SELECT outcome, token FROM celery_fence.acquire("
+                "'release:prod', 'prod', 'c', interval '30 seconds')"
+            )
+        ).one()
+    assert (answer.outcome, answer.token) == ("held", None)
+
+
+def table_writes(engine: Engine, flush: Engine) -> dict[str, tuple[int, int, int]]:
+    """Rows inserted, updated and deleted in each celery_fence table, as counted by PostgreSQL.
+
+    ``flush`` is the engine whose one backend did the work (a dedicated store's protocol
+    engine): it is made to publish its pending counts first, so that the figures are exact
+    rather than up to a second old.
+    """
+    with flush.connect() as conn:
+        conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            "SELECT relname, n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables "
+            "WHERE schemaname = 'celery_fence'"
+        )
+        return {row.relname: (row.n_tup_ins, row.n_tup_upd, row.n_tup_del) for row in rows}
+
+
+def test_losing_acquisitions_write_nothing(store: LeaseStore) -> None:
+    solo = store.dedicated()
+    try:
+        lease = held(solo.acquire(NAME, holder="a", ttl=300, environment="prod"))
+        before_counts = table_writes(store.engine, solo.protocol_engine)
+        before_row = lease_row(store.engine, NAME)
+        for index in range(200):
+            loser = solo.acquire(NAME, holder=f"b{index % 3}", ttl=30, environment="prod")
+            assert loser.outcome == "held"
+        # Not one row inserted, updated, deleted or even locked (xmax would show a lock).
+        assert table_writes(store.engine, solo.protocol_engine) == before_counts
+        assert lease_row(store.engine, NAME) == before_row
+        # The same measure does see a winning acquisition's writes.
+        solo.release(lease)
+        held(solo.acquire(NAME, holder="b", ttl=30, environment="prod"))
+        assert table_writes(store.engine, solo.protocol_engine) != before_counts
+    finally:
+        solo.dispose()
+
+
+# -- header proofs: the same HMAC in SQL and in Python -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (b"", b""),
+        (b"k", b"message"),
+        (uuid.UUID(int=7).bytes, b"release:prod\n3\nbeat@host-a\njoin"),
+        (bytes(range(64)), b"exactly one block of key"),
+        (bytes(range(65)), b"a key longer than the block is hashed first"),
+        (b"\xff" * 200, b"x" * 1000),
+    ],
+)
+def test_sql_hmac_matches_python(engine: Engine, key: bytes, message: bytes) -> None:
+    with engine.connect() as conn:
+        digest = conn.execute(
+            sa.text("SELECT celery_fence.hmac_sha256(:k, :m)"), {"k": key, "m": message}
+        ).scalar_one()
+    assert bytes(digest) == hmac.new(key, message, hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("mode", ["join", "resume"])
+def test_python_proof_matches_the_sql_computation(store: LeaseStore, mode: str) -> None:
+    lease = held(store.acquire("release:prød ✓", holder="beat@host-ä", ttl=30, environment="prod"))
+    with store.engine.connect() as conn:
+        expected = conn.execute(
+            sa.text(
+                "SELECT encode(celery_fence.hmac_sha256(uuid_send(token), "
+                "celery_fence.proof_message(name, epoch, holder, :mode)), 'hex') "
+                "FROM celery_fence.leases WHERE name = :name"
+            ),
+            {"mode": mode, "name": lease.name},
+        ).scalar_one()
+    assert proof(lease, mode) == expected  # type: ignore[arg-type]
