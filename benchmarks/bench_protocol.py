@@ -1,0 +1,453 @@
+"""The lease protocol's cost, measured against raw SQL on a bare psycopg connection.
+
+    .venv/bin/python benchmarks/bench_protocol.py [--database-url URL] [--rounds N] [--check]
+
+Creates a scratch database (``bench_...``) on the server, installs celery-fence there, and
+drops it at the end. Each round runs every single-connection variant once, in a shuffled
+order, so that the machine's noise falls on all of them alike; every ``--race-every`` rounds,
+32 threads (each on its own connection) race for one free lease behind a barrier: through
+``LeaseStore.acquire``, calling ``celery_fence.acquire()`` directly, and with the raw
+one-statement acquisition; and they ask at once for a lease someone else holds (the machine's
+own floor for 32 simultaneous requests). It
+prints medians and p99s, the ratios the protocol promises with PASS or MISS, and where the
+library's time goes; with ``--check`` a miss makes the exit status non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import random
+import secrets
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import date
+from typing import TypeVar
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+
+from celery_fence import Lease, LeaseStore
+from celery_fence.store import engine_from_url
+
+DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
+CONTENDERS = 32
+HOLDER = "bench@host-a"
+T = TypeVar("T")
+
+SETUP = """
+CREATE TABLE raw_leases (
+    name        text        PRIMARY KEY,
+    holder      text        NOT NULL,
+    epoch       bigint      NOT NULL,
+    token       uuid        NOT NULL,
+    acquired_at timestamptz NOT NULL,
+    expires_at  timestamptz NOT NULL
+) WITH (fillfactor = 70);
+CREATE TABLE counters (id integer PRIMARY KEY, n bigint NOT NULL);
+CREATE TABLE work (id integer PRIMARY KEY, n bigint NOT NULL);
+INSERT INTO work VALUES (1, 0);
+"""
+
+# The whole acquisition in one statement: insert, or take over an expired row (ttl 0 keeps
+# every round a winning one), epoch + 1, new token.
+RAW_ACQUIRE = """
+INSERT INTO raw_leases AS l (name, holder, epoch, token, acquired_at, expires_at)
+VALUES (%s, %s, 1, gen_random_uuid(), clock_timestamp(),
+        clock_timestamp() + make_interval(secs => %s))
+ON CONFLICT (name) DO UPDATE SET
+    holder = excluded.holder, epoch = l.epoch + 1, token = excluded.token,
+    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+WHERE l.expires_at <= clock_timestamp()
+RETURNING l.epoch, l.token, l.expires_at
+"""
+UPSERT = """
+INSERT INTO counters AS c (id, n) VALUES (1, 1)
+ON CONFLICT (id) DO UPDATE SET n = c.n + 1
+"""
+SQL_ACQUIRE = """
+SELECT epoch, token FROM celery_fence.acquire(%s, 'default', %s, make_interval(secs => 60))
+"""
+SQL_RELEASE = "SELECT outcome FROM celery_fence.release(%s, %s, %s, %s)"
+EXPIRE_RAW = "UPDATE raw_leases SET expires_at = clock_timestamp() WHERE name = %s"
+UPDATE_WORK = sa.text("UPDATE work SET n = n + 1 WHERE id = 1")
+
+LABELS = {
+    "upsert": "reference: single-row upsert + commit (psycopg)",
+    "select1": "reference: SELECT 1, one round trip (psycopg)",
+    "raw": "raw one-statement acquire, winning (psycopg)",
+    "sql_win": "celery_fence.acquire() called directly, winning (psycopg)",
+    "lib_win": "LeaseStore.acquire, winning",
+    "lib_lose": "LeaseStore.acquire, losing (lease held)",
+    "unguarded": "transaction: UPDATE one row + commit (SQLAlchemy)",
+    "guarded": "the same transaction under store.guard (SQLAlchemy)",
+    "race_library_win": f"LeaseStore.acquire, {CONTENDERS} contenders: the winner",
+    "race_library_lose": f"LeaseStore.acquire, {CONTENDERS} contenders: the losers",
+    "race_sql_win": f"celery_fence.acquire(), {CONTENDERS} contenders: the winner",
+    "race_sql_lose": f"celery_fence.acquire(), {CONTENDERS} contenders: the losers",
+    "race_raw_win": f"raw one-statement acquire, {CONTENDERS} contenders: the winner",
+    "race_raw_lose": f"raw one-statement acquire, {CONTENDERS} contenders: the losers",
+    "race_held_lose": f"LeaseStore.acquire, {CONTENDERS} at once on a held lease (no lock)",
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    numerator: str
+    denominator: str
+    limit: float
+    use_p99: bool = False
+
+
+TARGETS = (
+    Target("library acquire / raw one-statement acquire", "lib_win", "raw", 1.25),
+    Target("losing acquire / winning acquire", "lib_lose", "lib_win", 0.70),
+    Target("guarded transaction / unguarded transaction", "guarded", "unguarded", 1.35),
+    Target(
+        f"{CONTENDERS} contenders: losers' p99 / uncontended acquire",
+        "race_library_lose",
+        "lib_win",
+        5.0,
+        use_p99=True,
+    ),
+)
+
+Samples = dict[str, list[float]]
+RACES = ["library", "sql", "raw", "held"]
+
+
+def conninfo(url: URL) -> str:
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class Bench:
+    """The connections, stores and samples of one run."""
+
+    def __init__(self, url: URL) -> None:
+        self.url = url
+        self.raw = psycopg.connect(conninfo(url), autocommit=True)
+        self.raw.execute(SETUP)
+        self.store = LeaseStore.from_url(url.render_as_string(hide_password=False))
+        self.store.install()
+        self.engine = self.store.engine
+        self.samples: Samples = {key: [] for key in LABELS}
+        self.held = self._take("bench:held", "bench@host-b")
+        self.guard_lease = self._take("bench:guard", HOLDER)
+
+    def _take(self, name: str, holder: str) -> Lease:
+        got = self.store.acquire(name, holder=holder, ttl=3600)
+        assert got.lease is not None, got
+        return got.lease
+
+    def timed(self, key: str, call: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        result = call()
+        self.samples[key].append(time.perf_counter() - started)
+        return result
+
+    def sql_release(self, name: str, epoch: object, token: object, holder: str) -> None:
+        self.raw.execute(SQL_RELEASE, (name, epoch, token, holder))
+
+    def expire_raw_race(self) -> None:
+        self.raw.execute(EXPIRE_RAW, ("bench:race-raw",))
+
+    # -- the variants: each times one call and resets what it needs untimed --------------------
+
+    def upsert(self) -> None:
+        self.timed("upsert", lambda: self.raw.execute(UPSERT))
+
+    def select1(self) -> None:
+        self.timed("select1", lambda: self.raw.execute("SELECT 1").fetchone())
+
+    def raw_acquire(self) -> None:
+        row = self.timed(
+            "raw", lambda: self.raw.execute(RAW_ACQUIRE, ("bench:raw", HOLDER, 0)).fetchone()
+        )
+        assert row is not None, "the raw acquisition lost"
+
+    def sql_acquire(self) -> None:
+        row = self.timed(
+            "sql_win", lambda: self.raw.execute(SQL_ACQUIRE, ("bench:sql", HOLDER)).fetchone()
+        )
+        assert row is not None, "celery_fence.acquire() returned no row"
+        assert row[1] is not None, "celery_fence.acquire() lost a free lease"
+        self.sql_release("bench:sql", row[0], row[1], HOLDER)
+
+    def library_win(self) -> None:
+        got = self.timed("lib_win", lambda: self.store.acquire("bench:win", holder=HOLDER, ttl=60))
+        assert got.lease is not None, "LeaseStore.acquire lost a free lease"
+        self.store.release(got.lease)
+
+    def library_lose(self) -> None:
+        got = self.timed(
+            "lib_lose", lambda: self.store.acquire("bench:held", holder=HOLDER, ttl=60)
+        )
+        assert got.outcome == "held", got
+
+    def unguarded(self) -> None:
+        def transaction() -> None:
+            with self.engine.begin() as conn:
+                conn.execute(UPDATE_WORK)
+
+        self.timed("unguarded", transaction)
+
+    def guarded(self) -> None:
+        def transaction() -> None:
+            with (
+                self.engine.begin() as conn,
+                self.store.guard(self.guard_lease, conn, action="bench"),
+            ):
+                conn.execute(UPDATE_WORK)
+
+        self.timed("guarded", transaction)
+
+    def variants(self) -> list[Callable[[], None]]:
+        return [
+            self.upsert,
+            self.select1,
+            self.raw_acquire,
+            self.sql_acquire,
+            self.library_win,
+            self.library_lose,
+            self.unguarded,
+            self.guarded,
+        ]
+
+    def close(self) -> None:
+        self.raw.close()
+        self.engine.dispose()
+
+
+class Contender(threading.Thread):
+    """One racer on a connection of its own (a one-connection pool), reused for every race:
+    through the library, or sending SQL on that same connection through psycopg alone."""
+
+    def __init__(self, race: Race, index: int) -> None:
+        super().__init__(daemon=True)
+        self.race = race
+        self.holder = f"contender-{index}"
+        url = race.bench.url.render_as_string(hide_password=False)
+        self.store = LeaseStore(engine_from_url(url, pool_size=1, max_overflow=0))
+        self.store.owner("bench:race")  # connect before anything is timed
+        self.seconds = 0.0
+        self.won: Callable[[], None] | None = None
+
+    def library(self, name: str) -> None:
+        self.race.go.wait()
+        started = time.perf_counter()
+        got = self.store.acquire(name, holder=self.holder, ttl=60)
+        self.seconds = time.perf_counter() - started
+        lease = got.lease
+        self.won = None if lease is None else lambda: self.store.release(lease)
+
+    def on_driver(self, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:
+        """Run ``query`` through psycopg alone on this contender's connection, timed."""
+        pooled = self.store.engine.raw_connection()
+        try:
+            connection = pooled.driver_connection
+            assert isinstance(connection, psycopg.Connection)
+            connection.autocommit = True
+            self.race.go.wait()
+            started = time.perf_counter()
+            row: tuple[object, ...] | None = connection.execute(query, params).fetchone()
+            self.seconds = time.perf_counter() - started
+            connection.autocommit = False
+        finally:
+            pooled.close()
+        return row
+
+    def sql(self) -> None:
+        row = self.on_driver(SQL_ACQUIRE, ("bench:race-sql", self.holder))
+        assert row is not None, "celery_fence.acquire() returned no row"
+        epoch, token = row
+        bench = self.race.bench
+        self.won = (
+            None
+            if token is None
+            else lambda: bench.sql_release("bench:race-sql", epoch, token, self.holder)
+        )
+
+    def raw(self) -> None:
+        row = self.on_driver(RAW_ACQUIRE, ("bench:race-raw", self.holder, 60))
+        self.won = None if row is None else self.race.bench.expire_raw_race
+
+    def run(self) -> None:
+        races = {
+            "library": lambda: self.library("bench:race"),
+            "held": lambda: self.library("bench:held"),
+            "sql": self.sql,
+            "raw": self.raw,
+        }
+        while True:
+            self.race.start.wait()
+            if self.race.kind == "stop":
+                return
+            races[self.race.kind]()
+            self.race.done.wait()
+
+
+class Race:
+    """``CONTENDERS`` threads released by a barrier onto one lease."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        self.kind = "library"
+        self.start = threading.Barrier(CONTENDERS + 1)
+        self.go = threading.Barrier(CONTENDERS)
+        self.done = threading.Barrier(CONTENDERS + 1)
+        self.contenders = [Contender(self, index) for index in range(CONTENDERS)]
+        for contender in self.contenders:
+            contender.start()
+
+    def run(self, kind: str) -> None:
+        """One race of ``kind``. On a free lease ("library", "sql", "raw") exactly one wins
+        and then gives the lease up (untimed) so that the next race starts on a free lease. On
+        a lease someone else holds ("held") nobody wins and nobody waits for a lock: what the
+        machine alone makes of 32 simultaneous requests."""
+        self.kind = kind
+        self.start.wait()
+        self.done.wait()
+        winners = [contender for contender in self.contenders if contender.won is not None]
+        assert len(winners) == (kind != "held"), f"{len(winners)} contenders won a {kind} race"
+        for contender in self.contenders:
+            outcome = "win" if contender.won is not None else "lose"
+            self.bench.samples[f"race_{kind}_{outcome}"].append(contender.seconds)
+        for winner in winners:
+            release = winner.won
+            assert release is not None
+            release()
+
+    def close(self) -> None:
+        self.kind = "stop"
+        self.start.wait()
+        for contender in self.contenders:
+            contender.join()
+            contender.store.engine.dispose()
+
+
+def measure(url: URL, rounds: int, warmup: int, race_every: int) -> Samples:
+    bench = Bench(url)
+    race = Race(bench)
+    order = random.Random(0)
+    variants = bench.variants()
+    try:
+        for round_number in range(1 - warmup, rounds + 1):
+            if round_number == 1:
+                for samples in bench.samples.values():
+                    samples.clear()
+            order.shuffle(variants)
+            for variant in variants:
+                variant()
+            if round_number % race_every == 0:
+                for kind in order.sample(RACES, len(RACES)):
+                    race.run(kind)
+        return bench.samples
+    finally:
+        race.close()
+        bench.close()
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[math.ceil(0.99 * len(ordered)) - 1]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
+
+def report(samples: Samples) -> bool:
+    """Print the table, the targets and the breakdown; return whether every target was met."""
+    median = {key: statistics.median(values) for key, values in samples.items()}
+    print(f"\n{'variant':<64} {'n':>6} {'median ms':>9} {'p99 ms':>8} {'x upsert':>8}")
+    for key, label in LABELS.items():
+        values = samples[key]
+        print(
+            f"{label:<64} {len(values):>6} {ms(median[key]):>9} {ms(p99(values)):>8}"
+            f" {median[key] / median['upsert']:>8.2f}"
+        )
+    print(f"\n{'target':<64} {'ratio':>6} {'limit':>6}")
+    met = True
+    for target in TARGETS:
+        values = samples[target.numerator]
+        top = p99(values) if target.use_p99 else median[target.numerator]
+        ratio = top / median[target.denominator]
+        verdict = "PASS" if ratio <= target.limit else "MISS"
+        met = met and verdict == "PASS"
+        print(f"{target.label:<64} {ratio:>6.2f} {target.limit:>6.2f}  {verdict}")
+    print("\nwhere the time goes (medians)")
+    for label, more, less in (
+        ("celery_fence.acquire() over the raw statement", "sql_win", "raw"),
+        ("LeaseStore.acquire over celery_fence.acquire()", "lib_win", "sql_win"),
+        ("store.guard over the unguarded transaction", "guarded", "unguarded"),
+    ):
+        print(f"  {label:<62} {ms(median[more] - median[less]):>8} ms")
+    tenth = max(1, len(samples["lib_win"]) // 10)
+    first, last = samples["lib_win"][:tenth], samples["lib_win"][-tenth:]
+    print(
+        f"  {'winning LeaseStore.acquire, first / last tenth of the rounds':<62} "
+        f"{ms(statistics.median(first))} / {ms(statistics.median(last))} ms"
+    )
+    for label, key, base in (
+        ("calling celery_fence.acquire() directly", "race_sql_lose", "sql_win"),
+        ("with the raw one-statement acquire", "race_raw_lose", "raw"),
+        ("on a held lease (nobody waits for a lock)", "race_held_lose", "lib_win"),
+    ):
+        ratio = p99(samples[key]) / median[base]
+        print(f"  {CONTENDERS} contenders {label}: losers' p99 / uncontended = {ratio:.2f}")
+    return met
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("CELERY_FENCE_DATABASE_URL", DEFAULT_URL),
+        help="a server where the benchmark may create and drop a scratch database",
+    )
+    parser.add_argument("--rounds", type=int, default=2000, help="measured rounds (default 2000)")
+    parser.add_argument("--warmup", type=int, default=100, help="unmeasured rounds first")
+    parser.add_argument(
+        "--race-every",
+        type=int,
+        default=20,
+        help=f"run the {CONTENDERS}-contender races every N rounds (default 20)",
+    )
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = parser.parse_args(argv)
+
+    admin_url = make_url(args.database_url)
+    scratch = f"bench_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(conninfo(admin_url), autocommit=True) as admin:
+        version = admin.execute("SHOW server_version").fetchone()
+        admin.execute(f'CREATE DATABASE "{scratch}"')
+        try:
+            print(
+                f"celery-fence protocol benchmark, {date.today()}: PostgreSQL "
+                f"{version[0] if version else '?'}, Python {platform.python_version()}, "
+                f"psycopg {psycopg.__version__}, SQLAlchemy {sa.__version__}, "
+                f"{os.cpu_count()} cores; {args.rounds} rounds, {CONTENDERS}-contender races "
+                f"every {args.race_every}",
+                flush=True,
+            )
+            started = time.monotonic()
+            samples = measure(
+                admin_url.set(database=scratch), args.rounds, args.warmup, args.race_every
+            )
+            print(f"measured in {time.monotonic() - started:.0f} s")
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    met = report(samples)
+    return 1 if args.check and not met else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""Fenced tasks on an embedded worker: the decorator, the busy policies, release and enforcement.
+
+Every refused run ends in a state that says so (SKIPPED, RETRY then FAILURE, or FAILURE), never
+in a silent SUCCESS, and its body never runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery, states
+from sqlalchemy.engine import Engine
+
+from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
+from celery_fence.contrib.celery import SKIPPED, Fence, FencedTask, current_run
+
+if TYPE_CHECKING:
+    from conftest import Probe, StartWorker, Wait
+
+HOLDER = "release-job@test"
+NAME = "release:prod"
+
+
+def hold(store: LeaseStore, name: str, *, ttl: float = 60, environment: str = "default") -> int:
+    """Take ``name`` from the test, as another holder would; return the epoch."""
+    got = store.acquire(name, holder=HOLDER, ttl=ttl, environment=environment)
+    assert got.lease is not None, got
+    return got.lease.epoch
+
+
+def test_decorator_keeps_name_signature_and_celery_options(fence: Fence) -> None:
+    def publish_release(
+        self: Any, environment: str, release_id: int, channel: str = "stable"
+    ) -> str:
+        """Publish one release."""
+        return f"{environment}:{release_id}:{channel}"
+
+    def report(day: str, *, verbose: bool = False) -> str:
+        """Write the daily report."""
+        return day
+
+    publish = fence.task(
+        lease="release:{environment}",
+        name="deploy.publish",
+        bind=True,
+        acks_late=True,
+        max_retries=7,
+        rate_limit="10/m",
+        time_limit=60,
+    )(publish_release)
+    daily = fence.task(lease="report:{day}")(report)
+
+    assert isinstance(publish, FencedTask)
+    assert isinstance(daily, FencedTask)
+    assert fence.app.tasks["deploy.publish"] == publish
+    assert publish.name == "deploy.publish"
+    assert daily.name == f"{__name__}.report"
+    # bind=True: the task itself is the first argument, the caller passes the rest.
+    bound = inspect.signature(publish_release)
+    assert inspect.signature(publish) == bound.replace(
+        parameters=list(bound.parameters.values())[1:]
+    )
+    assert inspect.signature(daily) == inspect.signature(report)
+    assert publish.__doc__ == "Publish one release."
+    assert daily.__doc__ == "Write the daily report."
+    assert (publish.acks_late, publish.max_retries, publish.rate_limit, publish.time_limit) == (
+        True,
+        7,
+        "10/m",
+        60,
+    )
+    assert publish.fence_lease == "release:{environment}"
+    assert publish.fence is fence
+    assert publish.run("prod", 7) == "prod:7:stable"
+
+
+def test_decorator_rejects_an_unknown_busy_policy_at_declaration(fence: Fence) -> None:
+    with pytest.raises(ConfigurationError, match="on_busy must be skip, retry or raise"):
+        fence.task(lease="release", on_busy="wait")
+
+
+def test_bound_and_plain_bodies_run_under_their_lease(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="release:{environment}", bind=True)
+    def bound(self: Any, environment: str) -> list[Any]:
+        run = fence.current()
+        assert run.lease is not None
+        return [self.request.id, run.mode, run.lease.name, run.epoch, run.lease.holder]
+
+    @fence.task(lease="report:{day}")
+    def plain(day: str) -> list[Any]:
+        run = fence.current()
+        assert run.lease is not None
+        return [run.mode, run.lease.name, run.epoch]
+
+    with worker():
+        first = bound.delay("prod")
+        second = plain.delay("monday")
+        bound_seen = wait.outcome(first)
+        plain_seen = wait.outcome(second)
+
+    assert bound_seen[:4] == [first.id, "owner", NAME, 1]
+    assert bound_seen[4].startswith(f"{bound.name}[{first.id}]@")
+    assert plain_seen == ["owner", "report:monday", 1]
+    [entry] = store.history(NAME)
+    assert (entry.holder, entry.end_reason) == (bound_seen[4], "released")
+
+
+def test_templates_are_filled_from_args_kwargs_and_defaults(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(
+        lease="release:{environment}:{channel}",
+        environment="{environment}",
+        purpose="publish release {release_id}",
+    )
+    def publish(environment: str, release_id: int, channel: str = "stable") -> list[Any]:
+        lease = fence.current().lease
+        assert lease is not None
+        return [lease.name, lease.environment, lease.purpose]
+
+    with worker():
+        results = [
+            publish.delay("prod", 7),
+            publish.apply_async(kwargs={"environment": "test", "release_id": 8, "channel": "beta"}),
+            publish.apply_async(("dev",), {"release_id": 9}),
+        ]
+        seen = [wait.outcome(result) for result in results]
+
+    assert seen == [
+        ["release:prod:stable", "prod", "publish release 7"],
+        ["release:test:beta", "test", "publish release 8"],
+        ["release:dev:stable", "dev", "publish release 9"],
+    ]
+    assert {(o.name, o.environment, o.purpose) for o in store.leases()} == {
+        tuple(row) for row in seen
+    }
+
+
+def test_template_naming_a_missing_argument_fails_clearly_and_writes_nothing(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    ran = threading.Event()
+
+    @fence.task(lease="release:{region}")
+    def publish(environment: str) -> None:
+        ran.set()
+
+    with pytest.raises(ConfigurationError, match=r"lease template 'release:\{region\}'"):
+        publish("prod")
+    with worker():
+        result = publish.delay("prod")
+        assert wait.finished(result) == states.FAILURE
+
+    assert isinstance(result.result, Exception)
+    assert "cannot fill the lease template 'release:{region}'" in str(result.result)
+    assert "region" in str(result.result)
+    assert not ran.is_set()
+    assert store.leases() == []
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("taken", ["held", "paused"])
+def test_busy_skip_reports_the_owner_and_never_succeeds(
+    fence: Fence,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    taken: str,
+) -> None:
+    publish = probe(on_busy="skip")
+
+    @fence.task(lease="other")
+    def later() -> str:
+        return "done"
+
+    epoch = hold(store, NAME)
+    if taken == "paused":
+        store.pause(NAME, reason="incident 42", by="ops@test")
+    owner = store.owner(NAME)
+    assert owner is not None
+
+    with worker():
+        result = publish.task.delay("prod")
+        assert wait.finished(result) == SKIPPED
+        # The worker runs one task at a time: once the next one is done, the skipped one is
+        # over, and its state stayed SKIPPED.
+        assert wait.outcome(later.delay()) == "done"
+
+    assert result.state == SKIPPED
+    meta = result.info
+    assert (meta["lease"], meta["reason"]) == (NAME, taken)
+    assert (meta["owner_holder"], meta["owner_epoch"]) == (HOLDER, epoch)
+    assert meta["owner_expires_at"] == owner.expires_at.isoformat()
+    assert HOLDER in meta["message"]
+    assert not publish.ran.is_set()
+    assert [entry.holder for entry in store.history(NAME)] == [HOLDER]
+    assert fence.store.metrics.get("busy.skip") == 1
+
+
+@pytest.mark.parametrize("owner_ends", ["released", "expired"])
+def test_busy_retry_runs_once_the_owner_is_gone(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, owner_ends: str
+) -> None:
+    @fence.task(lease="release:{environment}", on_busy="retry", bind=True)
+    def publish(self: Any, environment: str) -> list[Any]:
+        return [self.request.retries, fence.current().epoch]
+
+    lease = store.acquire(NAME, holder=HOLDER, ttl=1.0).lease
+    assert lease is not None
+    with worker():
+        result = publish.delay("prod")
+        wait.until(lambda: result.state == states.RETRY, what="the busy run to be retried")
+        if owner_ends == "released":
+            store.release(lease)
+        assert wait.outcome(result) == [1, 2]
+
+    assert result.state == states.SUCCESS
+    first, _ = store.history(NAME)[::-1]
+    assert (first.holder, first.end_reason) == (HOLDER, owner_ends)
+    assert fence.store.metrics.get("busy.retry") == 1
+
+
+@pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])
+def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
+    app: Celery,
+    fence: Fence,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    failures: dict[str, BaseException],
+    policy: str,
+    refusals: int,
+) -> None:
+    # One retry at most; its countdown, the owner's remaining time, is capped at fence_max_ttl.
+    app.conf.update(
+        fence_busy_max_retries=1, fence_max_ttl=0.5, fence_default_ttl=0.5, fence_beat_ttl=0.5
+    )
+    publish = probe(on_busy=policy)
+    epoch = hold(store, NAME)
+    with worker():
+        result = publish.task.delay("prod")
+        assert wait.finished(result) == states.FAILURE
+
+    error = failures[result.id]
+    assert isinstance(error, LeaseHeldError)
+    assert error.owner is not None
+    assert (error.lease_name, error.reason, error.owner.holder, error.owner.epoch) == (
+        NAME,
+        "held",
+        HOLDER,
+        epoch,
+    )
+    # The JSON result backend keeps the class name and the message.
+    assert "LeaseHeldError" in str(result.result)
+    assert f"held by {HOLDER} (epoch {epoch})" in str(result.result)
+    assert fence.store.metrics.get(f"busy.{policy}") == refusals
+    assert not publish.ran.is_set()
+
+
+def test_body_fences_its_writes_with_the_run_lease(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, engine: Engine
+) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str, release: int) -> None:
+        params = {"environment": environment, "release": release}
+        # In a transaction of the caller's own, or in one the fence opens.
+        with engine.begin() as conn, fence.current().guard("publish manifest", conn):
+            conn.execute(sa.text("INSERT INTO manifest VALUES (:environment, 0)"), params)
+        with fence.guard("set release") as own:
+            own.execute(
+                sa.text("UPDATE manifest SET release = :release WHERE environment = :environment"),
+                params,
+            )
+
+    with worker():
+        assert wait.finished(publish.delay("prod", 7)) == states.SUCCESS
+
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT * FROM manifest").all() == [("prod", 7)]
+    assert fence.store.metrics.get("guard.committed") == 2
+    assert store.stale_runs() == []
+
+
+def test_lease_is_released_when_the_body_fails(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        raise RuntimeError("manifest upload failed")
+
+    with worker():
+        result = publish.delay("prod")
+        assert wait.finished(result) == states.FAILURE
+
+    assert "manifest upload failed" in str(result.result)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.state == "released"
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+    assert hold(store, NAME) == 2
+
+
+def test_min_hold_keeps_the_lease_after_a_fast_run(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="nightly:{day}", min_hold=30)
+    def nightly(day: str) -> int | None:
+        return fence.current().epoch
+
+    with worker():
+        assert wait.outcome(nightly.delay("monday")) == 1
+        again = nightly.delay("monday")
+        assert wait.finished(again) == SKIPPED
+
+    owner = store.owner("nightly:monday")
+    assert owner is not None
+    assert owner.state == "held"
+    assert (owner.expires_at - owner.acquired_at).total_seconds() == pytest.approx(30, abs=1)
+    [entry] = store.history("nightly:monday")
+    assert entry.ended_at is None
+    assert again.info["owner_epoch"] == 1
+
+
+def test_shadow_mode_runs_a_busy_body_and_only_in_its_environment(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    app.conf.fence_enforcement = {"test": "shadow", "*": "enforce"}
+
+    @fence.task(lease="release:{environment}", environment="{environment}")
+    def publish(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.enforced, run.lease is None]
+
+    hold(store, "release:test", environment="test")
+    hold(store, NAME, environment="prod")
+    with worker():
+        shadowed = publish.delay("test")
+        enforced = publish.delay("prod")
+        assert wait.outcome(shadowed) == [False, True]
+        assert wait.finished(enforced) == SKIPPED
+
+    assert fence.store.metrics.get("shadow.held") == 1
+    assert [e.holder for e in store.history("release:test")] == [HOLDER]
+
+
+def test_enforcement_off_runs_unfenced_and_takes_no_lease(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, engine: Engine
+) -> None:
+    app.conf.fence_enforcement = {"test": "off", "*": "enforce"}
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY)")
+
+    @fence.task(lease="release:{environment}", environment="{environment}")
+    def publish(environment: str) -> list[Any]:
+        run = fence.current()
+        assert current_run() is run
+        with run.guard("publish manifest") as conn:
+            conn.execute(sa.text("INSERT INTO manifest VALUES (:e)"), {"e": environment})
+        return [run.lease, run.enforced]
+
+    with worker():
+        assert wait.outcome(publish.delay("test")) == [None, False]
+
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT * FROM manifest").all() == [("test",)]
+    assert store.leases() == []
+    assert store.history("release:test") == []
+    assert store.stale_runs() == []

@@ -1,0 +1,370 @@
+"""The ``celery_fence`` header: continuations run at their publisher's epoch, or not at all.
+
+Children, canvas members and retries of a fenced run carry its header and take no lease of their
+own. A header whose epoch no longer holds, whose proof does not match, or that cannot be read
+rejects the run before its body: the result is REJECTED, never SUCCESS, and the stale run is
+recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from celery import Celery, chain, chord, group, states
+from celery.result import AsyncResult
+
+from celery_fence import Lease, LeaseStore
+from celery_fence.contrib.celery import HEADER, REJECTED, Fence, FenceHeader
+
+if TYPE_CHECKING:
+    from conftest import Probe, StartWorker, Wait
+
+HOLDER = "release-job@test"
+NAME = "release:prod"
+
+
+def take(store: LeaseStore, name: str = NAME, holder: str = HOLDER) -> Lease:
+    got = store.acquire(name, holder=holder, ttl=60, environment="default")
+    assert got.lease is not None, got
+    return got.lease
+
+
+def run_with_header(task: Any, header: object, *args: Any) -> AsyncResult:
+    """Send ``task`` as a continuation would arrive: with a ``celery_fence`` header."""
+    result: AsyncResult = task.apply_async(args, headers={HEADER: header})
+    return result
+
+
+def rejected(publish: Probe, header: object, worker: StartWorker, wait: Wait) -> AsyncResult:
+    """Run the probe with ``header``: it ends REJECTED, and its body never runs."""
+    with worker():
+        result = run_with_header(publish.task, header, "prod")
+        assert wait.finished(result) == REJECTED
+    assert not publish.ran.is_set()
+    return result
+
+
+def assert_still_held(store: LeaseStore, epoch: int) -> None:
+    """The rejection left the lease as it was."""
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.holder, owner.state) == (epoch, HOLDER, "held")
+
+
+@pytest.mark.parametrize(("pool", "concurrency"), [("solo", 1), ("threads", 2)])
+def test_child_runs_at_the_parent_epoch(
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    app: Celery,
+    pool: str,
+    concurrency: int,
+) -> None:
+    child_started = threading.Event()
+
+    @fence.task(lease="release:{environment}", bind=True)
+    def parent(self: Any, environment: str) -> list[Any]:
+        sent = child.delay(environment, self.request.id)
+        if concurrency > 1:
+            # Threads pool: the child starts while the parent still holds the lease.
+            assert child_started.wait(10)
+        return [fence.current().epoch, sent.id]
+
+    # The child's own template is not used: the header says which lease it runs under.
+    @fence.task(lease="child:{environment}")
+    def child(environment: str, parent_id: str) -> list[Any]:
+        run = fence.current()
+        assert run.lease is not None
+        child_started.set()
+        # Solo pool: the parent ended (and released) before the child started, which took the
+        # lease back. Threads pool: the child shares the lease, which outlives the parent's end.
+        wait.until(lambda: app.AsyncResult(parent_id).ready(), what="the parent to end")
+        owner = fence.store.owner(NAME)
+        assert owner is not None
+        return [run.mode, run.lease.name, run.epoch, run.held, owner.state]
+
+    with worker(pool=pool, concurrency=concurrency):
+        epoch, child_id = wait.outcome(parent.delay("prod"))
+        seen = wait.outcome(app.AsyncResult(child_id))
+
+    assert epoch == 1
+    assert seen == ["resume", NAME, 1, True, "held"]
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+    assert store.history("child:prod") == []
+    assert [owner.name for owner in store.leases()] == [NAME]
+
+
+def canvas_of(kind: str, step: Any, collect: Any) -> Any:
+    """Three steps as a group, a chain (each link published by the worker after the one before
+    it) or a chord (whose callback the worker publishes after the last part)."""
+    steps = [step.si(n) for n in range(3)]
+    if kind == "group":
+        return group(steps)
+    if kind == "chain":
+        return chain(*steps)
+    return chord(steps, collect.s())
+
+
+@pytest.mark.parametrize("kind", ["group", "chain", "chord"])
+def test_canvas_members_run_at_the_parent_epoch(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str
+) -> None:
+    seen: list[tuple[str, str, int | None]] = []
+    expected = 4 if kind == "chord" else 3
+
+    def record(what: str) -> None:
+        run = fence.current()
+        seen.append((what, run.mode, run.epoch))
+
+    @fence.task(lease="release:{environment}")
+    def parent(environment: str) -> None:
+        canvas_of(kind, step, collect).delay()
+
+    @fence.task(lease="step:{n}")
+    def step(n: int) -> int:
+        record(f"step {n}")
+        return n
+
+    @fence.task(lease="collect")
+    def collect(parts: list[int]) -> None:
+        record(f"collect {sorted(parts)}")
+
+    with worker():
+        assert wait.finished(parent.delay("prod")) == states.SUCCESS
+        wait.until(lambda: len(seen) == expected, what=f"{expected} members of the {kind}")
+
+    callback = ["collect [0, 1, 2]"] if kind == "chord" else []
+    assert sorted(what for what, _, _ in seen) == sorted(["step 0", "step 1", "step 2", *callback])
+    assert {(mode, epoch) for _, mode, epoch in seen} == {("resume", 1)}
+    assert [entry.epoch for entry in store.history(NAME)] == [1]
+    assert [owner.name for owner in store.leases()] == [NAME]
+
+
+def test_retry_resumes_the_same_epoch(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    seen: list[tuple[int, str, int | None]] = []
+
+    @fence.task(lease="release:{environment}", bind=True)
+    def publish(self: Any, environment: str) -> str:
+        run = fence.current()
+        seen.append((self.request.retries, run.mode, run.epoch))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return "published"
+
+    with worker():
+        assert wait.outcome(publish.delay("prod")) == "published"
+
+    assert seen == [(0, "owner", 1), (1, "resume", 1)]
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.state == "released"
+
+
+def test_retry_after_another_holder_took_the_lease_is_rejected(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    retries = f"{app.conf.task_default_queue}-retries"
+    attempts: list[int] = []
+
+    @fence.task(lease="release:{environment}", bind=True)
+    def publish(self: Any, environment: str) -> None:
+        attempts.append(self.request.retries)
+        raise self.retry(countdown=0, queue=retries)
+
+    # The first worker does not consume the retries: the retry waits in its queue while the
+    # lease, released when the first run ended, goes to another holder.
+    with worker():
+        result = publish.delay("prod")
+        wait.until(lambda: result.state == states.RETRY, what="the run to retry")
+    ended = wait.until(lambda: store.history(NAME)[0].end_reason, what="the first run's end")
+    assert ended == "released"
+    assert take(store).epoch == 2
+    with worker(queues=[retries]):
+        assert wait.finished(result) == REJECTED
+
+    assert attempts == [0]
+    assert result.info["reason"] == "superseded"
+    assert (result.info["epoch"], result.info["owner_epoch"]) == (1, 2)
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.reason, stale.stale_epoch, stale.current_epoch, stale.current_holder) == (
+        "superseded",
+        1,
+        2,
+        HOLDER,
+    )
+    assert stale.action == f"start {publish.name}"
+    assert stale.enforced
+
+
+def test_stale_header_is_rejected_before_the_body_and_recorded(
+    fence: Fence, probe: Callable[..., Probe], worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    publish = probe()
+
+    @fence.task(lease="other")
+    def later() -> str:
+        return "done"
+
+    old = take(store, holder="old-job@test")
+    header = FenceHeader.for_lease(old, "resume").to_message()
+    store.release(old)
+    current = take(store)
+    with worker():
+        result = run_with_header(publish.task, header, "prod")
+        assert wait.finished(result) == REJECTED
+        # One task at a time: once the next one is done, the rejected one is over.
+        assert wait.outcome(later.delay()) == "done"
+
+    assert result.state == REJECTED
+    assert not publish.ran.is_set()
+    assert (result.info["lease"], result.info["reason"]) == (NAME, "superseded")
+    assert (result.info["owner_holder"], result.info["owner_epoch"]) == (HOLDER, current.epoch)
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.stale_epoch, stale.stale_holder, stale.current_epoch) == (1, "old-job@test", 2)
+    assert (stale.reason, stale.current_holder, stale.enforced) == ("superseded", HOLDER, True)
+    assert stale.action == "start probe.publish"
+    assert_still_held(store, current.epoch)
+
+
+FORGERIES: dict[str, Callable[[Lease], dict[str, Any]]] = {
+    # The right epoch and holder, signed with a token the publisher never had.
+    "other token": lambda lease: FenceHeader.for_lease(
+        dataclasses.replace(lease, token=uuid.uuid4()), "resume"
+    ).to_message(),
+    # An epoch that was never handed out.
+    "future epoch": lambda lease: FenceHeader.for_lease(
+        dataclasses.replace(lease, epoch=lease.epoch + 1), "resume"
+    ).to_message(),
+    # A genuine proof, presented under another holder's name.
+    "other holder": lambda lease: {
+        **FenceHeader.for_lease(lease, "resume").to_message(),
+        "holder": "intruder@test",
+    },
+}
+
+
+@pytest.mark.parametrize("forgery", list(FORGERIES))
+def test_forged_header_is_rejected_and_recorded(
+    probe: Callable[..., Probe], worker: StartWorker, store: LeaseStore, wait: Wait, forgery: str
+) -> None:
+    publish = probe()
+    lease = take(store)
+    header = FORGERIES[forgery](lease)
+
+    result = rejected(publish, header, worker, wait)
+
+    assert result.info["reason"] == "forged"
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.reason, stale.stale_epoch, stale.stale_holder) == (
+        "forged",
+        header["epoch"],
+        header["holder"],
+    )
+    assert_still_held(store, lease.epoch)
+
+
+def malformed(lease: Lease, **changes: Any) -> dict[str, Any]:
+    """A genuine header with some fields changed; a field set to ``None`` is left out."""
+    message = {**FenceHeader.for_lease(lease, "resume").to_message(), **changes}
+    return {key: value for key, value in message.items() if value is not None}
+
+
+MALFORMED: dict[str, Callable[[Lease], object]] = {
+    "missing proof": lambda lease: malformed(lease, proof=None),
+    "missing epoch": lambda lease: malformed(lease, epoch=None),
+    "epoch not an integer": lambda lease: malformed(lease, epoch=str(lease.epoch)),
+    "unknown mode": lambda lease: malformed(lease, mode="steal"),
+    "proof not hex": lambda lease: malformed(lease, proof="z" * 64),
+    "not a mapping": lambda lease: f"{lease.name}@{lease.epoch}",
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_header_is_rejected_and_recorded(
+    probe: Callable[..., Probe], worker: StartWorker, store: LeaseStore, wait: Wait, case: str
+) -> None:
+    publish = probe()
+    lease = take(store)
+
+    result = rejected(publish, MALFORMED[case](lease), worker, wait)
+
+    assert result.info["reason"] == "malformed"
+    assert "celery_fence header" in result.info["message"]
+    [stale] = store.stale_runs()
+    readable = case != "not a mapping"
+    assert stale.lease_name == (NAME if readable else "(unreadable)")
+    assert stale.stale_holder == (HOLDER if readable else "(unreadable)")
+    assert (stale.reason, stale.stale_epoch, stale.enforced) == ("malformed", None, True)
+    assert_still_held(store, lease.epoch)
+
+
+@pytest.mark.parametrize("lease_ends", ["released", "expired"])
+def test_join_header_runs_while_held_and_is_rejected_after(
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    lease_ends: str,
+) -> None:
+    runs: list[list[Any]] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        run = fence.current()
+        assert run.lease is not None
+        runs.append([run.mode, run.lease.name, run.epoch, run.lease.holder])
+
+    beat = take(store, "beat:default", holder="beat@test")
+    header = FenceHeader.for_lease(beat, "join").to_message()
+    with worker():
+        assert wait.finished(run_with_header(tick, header)) == states.SUCCESS
+        # Joining shares the lease: it stays the scheduler's, neither released nor extended.
+        owner = store.owner("beat:default")
+        assert owner is not None
+        assert (owner.holder, owner.state) == ("beat@test", "held")
+        assert owner.expires_at == beat.expires_at
+        if lease_ends == "released":
+            store.release(beat)
+        else:
+            expire_lease("beat:default")
+        late = run_with_header(tick, header)
+        assert wait.finished(late) == REJECTED
+
+    assert runs == [["join", "beat:default", 1, "beat@test"]]
+    assert late.info["reason"] == lease_ends
+    [stale] = store.stale_runs(lease_name="beat:default")
+    assert (stale.reason, stale.stale_epoch, stale.stale_holder) == (lease_ends, 1, "beat@test")
+    assert store.history("tick") == []
+
+
+def test_shadow_mode_runs_a_stale_header_and_records_it(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    app.conf.fence_enforcement = "shadow"
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.enforced, run.lease is None]
+
+    old = take(store, holder="old-job@test")
+    header = FenceHeader.for_lease(old, "resume").to_message()
+    store.release(old)
+    take(store)
+    with worker():
+        assert wait.outcome(run_with_header(publish, header, "prod")) == [False, True]
+
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.reason, stale.stale_epoch, stale.enforced) == ("superseded", 1, False)

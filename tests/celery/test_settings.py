@@ -1,0 +1,176 @@
+"""The ``fence_*`` settings and every fenced task's timings are checked once, at worker start.
+
+Impossible values raise :class:`ConfigurationError` naming the key (or the task) before any
+lease is taken; a worker with such a configuration does not start.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from celery import Celery
+
+from celery_fence import ConfigurationError, SchemaNotInstalledError
+from celery_fence.contrib.celery import Fence, FenceSettings
+
+if TYPE_CHECKING:
+    from conftest import StartWorker
+
+
+def test_defaults_and_enforcement_per_environment() -> None:
+    settings = FenceSettings.from_conf(
+        {
+            "fence_database_url": "postgresql://db/fence",
+            "fence_enforcement": {"test": "enforce", "prod": "shadow", "*": "off"},
+        }
+    )
+
+    assert settings.database_url == "postgresql://db/fence"
+    assert (settings.environment, settings.default_ttl, settings.on_busy) == ("default", 30, "skip")
+    assert (settings.renew_interval, settings.safety_margin, settings.busy_max_retries) == (
+        None,
+        0.1,
+        10,
+    )
+    assert [settings.enforcement_for(env) for env in ("test", "prod", "dev")] == [
+        "enforce",
+        "shadow",
+        "off",
+    ]
+    assert FenceSettings.from_conf({}).enforcement_for("prod") == "enforce"
+
+
+@pytest.mark.parametrize(
+    ("conf", "message"),
+    [
+        pytest.param(
+            {"fence_default_ttl": 10, "fence_renew_interval": 9},
+            r"fence_default_ttl: renew interval 9s must be shorter than the 9s",
+            id="renew interval not below ttl less margin",
+        ),
+        pytest.param(
+            {"fence_default_ttl": 10, "fence_safety_margin": 0.5, "fence_renew_interval": 6},
+            r"renew interval 6s must be shorter than the 5s the holder trusts a 10s lease",
+            id="renew interval past the safety margin",
+        ),
+        pytest.param(
+            {"fence_beat_ttl": 15, "fence_beat_renew_interval": 15},
+            r"fence_beat_ttl: renew interval 15s",
+            id="beat renew interval",
+        ),
+        pytest.param(
+            {"fence_default_ttl": 7200},
+            r"fence_default_ttl must be at most 3600",
+            id="ttl above max ttl",
+        ),
+        pytest.param(
+            {"fence_max_hold": 10},
+            r"fence_max_hold \(10s\) must be at least fence_default_ttl \(30s\)",
+            id="max hold below ttl",
+        ),
+        pytest.param(
+            {"fence_ttl": 30, "fence_on_busy": "skip"},
+            r"unknown celery-fence setting\(s\): fence_ttl",
+            id="unknown key",
+        ),
+        pytest.param(
+            {"fence_on_busy": "wait"},
+            r"fence_on_busy must be one of skip, retry, raise; got 'wait'",
+            id="bad on_busy",
+        ),
+        pytest.param(
+            {"fence_busy_max_retries": -1},
+            r"fence_busy_max_retries must be a non-negative integer",
+            id="negative max retries",
+        ),
+        pytest.param(
+            {"fence_enforcement": "strict"},
+            r"fence_enforcement must be one of enforce, shadow, off; got 'strict'",
+            id="bad enforcement",
+        ),
+        pytest.param(
+            {"fence_enforcement": {"prod": "block"}},
+            r"fence_enforcement\['prod'\] must be one of enforce, shadow, off",
+            id="bad enforcement for one environment",
+        ),
+    ],
+)
+def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        FenceSettings.from_conf(conf)
+
+
+@pytest.mark.parametrize(
+    ("conf", "task_options", "message"),
+    [
+        pytest.param(
+            {},
+            {"time_limit": 120, "max_hold": 60},
+            r"time limit 120s exceeds the lease's maximum hold 60s",
+            id="task time limit over its max hold",
+        ),
+        pytest.param(
+            {"task_time_limit": 7200, "fence_max_hold": 3600},
+            {},
+            r"time limit 7200s exceeds the lease's maximum hold 3600s",
+            id="app time limit over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"ttl": 6, "renew_interval": 6},
+            r"renew interval 6s must be shorter than the 5.4s",
+            id="task renew interval",
+        ),
+        pytest.param(
+            {"fence_max_ttl": 60},
+            {"ttl": 120},
+            r"ttl must be at most 60 seconds",
+            id="task ttl over fence_max_ttl",
+        ),
+    ],
+)
+def test_impossible_task_timings_are_refused_at_startup(
+    app: Celery, fence: Fence, conf: dict[str, Any], task_options: dict[str, Any], message: str
+) -> None:
+    app.conf.update(conf)
+
+    @fence.task(lease="release:{environment}", **task_options)
+    def publish(environment: str) -> None:
+        """A task whose timings cannot work."""
+
+    with pytest.raises(ConfigurationError, match=rf"{publish.name}.*{message}"):
+        fence.check_startup()
+
+
+def test_startup_check_passes_and_needs_the_schema(
+    app: Celery, fence: Fence, empty_database_url: str
+) -> None:
+    @fence.task(lease="release:{environment}", ttl=60, max_hold=600, time_limit=300)
+    def publish(environment: str) -> None:
+        """Timings that work."""
+
+    fence.check_startup()
+
+    bare = Celery("no-schema", set_as_current=False)
+    bare.conf.fence_database_url = empty_database_url
+    unprepared = Fence(bare)
+    try:
+        with pytest.raises(SchemaNotInstalledError, match="celery-fence install"):
+            unprepared.check_startup()
+    finally:
+        unprepared.store.engine.dispose()
+
+
+def test_embedded_worker_refuses_to_start_with_impossible_timings(
+    app: Celery, fence: Fence, worker: StartWorker
+) -> None:
+    app.conf.update(fence_default_ttl=10, fence_renew_interval=9.5)
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        """Never runs: the worker does not start."""
+
+    refused = pytest.raises(ConfigurationError, match=r"renew interval 9.5s must be shorter")
+    with refused, worker():
+        pytest.fail("the worker started")

@@ -1,0 +1,773 @@
+"""The ``celery-fence`` command line against a real database: every command, its JSON, its exit
+codes and its one-line errors, and the canary race with real processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from datetime import datetime, timedelta, timezone
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+
+from celery_fence import LeaseStore, Owner, _sql
+from celery_fence.cli import ExitCode, RaceAnswer, main, race_problems
+from celery_fence.models import Lease
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs" / "reference" / "cli.md"
+UNREACHABLE = "postgresql://postgres:s3cret@127.0.0.1:1/test"
+OWNER_KEYS = {field.name for field in dataclasses.fields(Owner)}
+LEASE_KEYS = {field.name for field in dataclasses.fields(Lease)} - {"deadline"}
+TOKEN = str(uuid.UUID(int=1))
+IDENTITY = {
+    "name": "job",
+    "environment": "default",
+    "holder": "a",
+    "epoch": 1,
+    "token": TOKEN,
+    "ttl": 5,
+}
+
+
+def cli(url: str | None, *args: str, stdin: str | None = None, **env: str) -> Result:
+    """Run ``celery-fence [--database-url URL] ARGS`` in this process, with a clean environment."""
+    environ: dict[str, str | None] = {
+        "CELERY_FENCE_DATABASE_URL": None,
+        "CELERY_FENCE_ENVIRONMENT": None,
+        **env,
+    }
+    prefix = [] if url is None else ["--database-url", url]
+    return CliRunner().invoke(main, [*prefix, *args], input=stdin, env=environ)
+
+
+def answer(result: Result) -> Any:
+    return json.loads(result.stdout)
+
+
+def assert_error(result: Result, code: ExitCode, *fragments: str) -> None:
+    """A user's mistake: one ``Error:`` line on stderr, the exit code, no traceback."""
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def acquire(
+    url: str, name: str, holder: str, *extra: str, ttl: str = "30", environment: str = "default"
+) -> Result:
+    """``celery-fence --environment ENV acquire NAME --holder HOLDER --ttl TTL EXTRA...``"""
+    return cli(
+        url, "--environment", environment, "acquire", name, "--holder", holder, "--ttl", ttl, *extra
+    )
+
+
+def when(value: str) -> datetime:
+    return datetime.fromisoformat(value)
+
+
+# -- install ---------------------------------------------------------------------------------
+
+
+def test_install_print_needs_no_database() -> None:
+    for url in (None, UNREACHABLE):
+        result = cli(url, "install", "--print")
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == LeaseStore.install_script()
+        assert result.stderr == ""
+
+
+def test_install_creates_the_schema_once_and_prints_its_version(empty_database_url: str) -> None:
+    assert_error(cli(empty_database_url, "status"), ExitCode.ERROR, "run `celery-fence install`")
+    expected = f"celery-fence schema version {_sql.latest_version()}\n"
+    for _ in range(2):
+        result = cli(empty_database_url, "install")
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout == expected
+    assert cli(empty_database_url, "status").stdout == "no leases\n"
+
+
+def test_schema_not_installed_is_one_line(empty_database_url: str) -> None:
+    result = acquire(empty_database_url, "job", "a")
+    assert_error(result, ExitCode.ERROR, "not installed", "run `celery-fence install`")
+    assert result.stdout == ""
+
+
+def test_version() -> None:
+    result = cli(None, "--version")
+    assert result.exit_code == 0
+    assert version("celery-fence") in result.stdout
+
+
+# -- bad configuration ------------------------------------------------------------------------
+
+
+def test_commands_other_than_install_print_need_a_database_url() -> None:
+    assert_error(cli(None, "status"), ExitCode.USAGE, "--database-url", "CELERY_FENCE_DATABASE_URL")
+
+
+def test_database_url_from_the_environment(database_url: str) -> None:
+    result = cli(None, "status", CELERY_FENCE_DATABASE_URL=database_url)
+    assert (result.exit_code, result.stdout) == (0, "no leases\n")
+
+
+def test_unreachable_database_names_host_and_port_but_not_the_password() -> None:
+    for args in (("status",), ("acquire", "job", "--holder", "a", "--ttl", "5"), ("install",)):
+        result = cli(UNREACHABLE, *args)
+        assert_error(result, ExitCode.ERROR, "127.0.0.1", "port 1", "postgres:***@127.0.0.1:1")
+        assert "s3cret" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("sqlite:///fence.db", "needs PostgreSQL"),
+        ("postgresql://postgres:s3cret@host:notaport/db", "not a valid database URL"),
+        ("not a url s3cret", "not a valid database URL"),
+    ],
+)
+def test_invalid_database_url(url: str, message: str) -> None:
+    result = cli(url, "status")
+    assert_error(result, ExitCode.USAGE, message)
+    assert "s3cret" not in result.stderr
+
+
+# -- acquire ---------------------------------------------------------------------------------
+
+
+def test_acquire_prints_the_winners_lease_with_its_token(
+    database_url: str, store: LeaseStore
+) -> None:
+    result = acquire(
+        database_url,
+        "release:prod",
+        "deploy@a",
+        "--max-hold",
+        "60",
+        "--purpose",
+        "release 42",
+        environment="prod",
+    )
+    assert result.exit_code == ExitCode.OK, result.stderr
+    assert result.stderr == ""
+    got = answer(result)
+    assert set(got) == {"outcome", "acquired", "lease", "owner"}
+    assert (got["outcome"], got["acquired"]) == ("acquired", True)
+    lease = got["lease"]
+    assert set(lease) == LEASE_KEYS
+    assert uuid.UUID(lease["token"])
+    assert (lease["name"], lease["environment"], lease["holder"]) == (
+        "release:prod",
+        "prod",
+        "deploy@a",
+    )
+    assert (lease["epoch"], lease["purpose"], lease["ttl"]) == (1, "release 42", 30.0)
+    assert when(lease["expires_at"]) - when(lease["acquired_at"]) == timedelta(seconds=30)
+    assert when(lease["hold_until"]) - when(lease["acquired_at"]) == timedelta(seconds=60)
+    assert set(got["owner"]) == OWNER_KEYS
+    owner = store.owner("release:prod")
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.environment) == ("deploy@a", 1, "prod")
+    assert owner.expires_at == when(lease["expires_at"])
+
+
+def test_environment_from_the_environment_variable(database_url: str, store: LeaseStore) -> None:
+    result = cli(
+        database_url,
+        "acquire",
+        "job",
+        "--holder",
+        "a",
+        "--ttl",
+        "5",
+        CELERY_FENCE_ENVIRONMENT="staging",
+    )
+    assert answer(result)["lease"]["environment"] == "staging"
+    owner = store.owner("job")
+    assert owner is not None
+    assert owner.environment == "staging"
+
+
+def test_the_loser_learns_the_owner_and_never_a_token(database_url: str) -> None:
+    winner = answer(acquire(database_url, "job", "a"))
+    result = acquire(database_url, "job", "b")
+    assert result.exit_code == ExitCode.HELD
+    assert result.stderr == ""
+    lost = answer(result)
+    assert (lost["outcome"], lost["acquired"], lost["lease"]) == ("held", False, None)
+    assert set(lost["owner"]) == OWNER_KEYS
+    assert (lost["owner"]["holder"], lost["owner"]["epoch"]) == ("a", 1)
+    assert "token" not in result.stdout
+    assert winner["lease"]["token"] not in result.stdout
+
+
+def test_acquire_on_a_paused_lease_exits_4(database_url: str) -> None:
+    cli(database_url, "pause", "job", "--reason", "investigating", "--by", "ops")
+    result = acquire(database_url, "job", "a")
+    assert result.exit_code == ExitCode.PAUSED
+    got = answer(result)
+    assert (got["outcome"], got["acquired"], got["lease"]) == ("paused", False, None)
+    assert (got["owner"]["paused_by"], got["owner"]["paused_reason"]) == ("ops", "investigating")
+
+
+@pytest.mark.parametrize("ttl", ["0", "-1", "nan", "inf", "100000"])
+def test_a_bad_ttl_is_one_line_and_writes_nothing(database_url: str, ttl: str) -> None:
+    assert_error(acquire(database_url, "job", "a", ttl=ttl), ExitCode.USAGE, "ttl")
+    assert cli(database_url, "status").stdout == "no leases\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("acquire", " job", "--holder", "a", "--ttl", "5"), "lease name"),
+        (("acquire", "job", "--holder", "", "--ttl", "5"), "holder"),
+        (("acquire", "job", "--holder", "a", "--ttl", "5", "--max-hold", "1"), "max_hold"),
+        (("--environment", "", "acquire", "job", "--holder", "a", "--ttl", "5"), "environment"),
+        (("history", "job", "--limit", "0"), "limit"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    database_url: str, args: tuple[str, ...], message: str
+) -> None:
+    assert_error(cli(database_url, *args), ExitCode.USAGE, message)
+    assert cli(database_url, "status").stdout == "no leases\n"
+
+
+def test_verbose_logs_on_stderr(database_url: str) -> None:
+    result = cli(database_url, "-v", "acquire", "job", "--holder", "a", "--ttl", "5")
+    assert result.exit_code == ExitCode.OK
+    assert "INFO celery_fence: lease job acquired by a at epoch 1" in result.stderr
+
+
+# -- renew and release ------------------------------------------------------------------------
+
+
+def holder_flags(lease: dict[str, Any]) -> list[str]:
+    """NAME --epoch --token --holder for renew and release, from an acquire answer's lease."""
+    name, epoch, token, holder = lease["name"], str(lease["epoch"]), lease["token"], lease["holder"]
+    return [name, "--epoch", epoch, "--token", token, "--holder", holder]
+
+
+def test_renew_with_flags_keeps_epoch_and_token(database_url: str, store: LeaseStore) -> None:
+    lease = answer(acquire(database_url, "job", "a", ttl="5"))["lease"]
+    result = cli(database_url, "renew", *holder_flags(lease), "--ttl", "60")
+    assert result.exit_code == ExitCode.OK, result.stderr
+    renewed = answer(result)
+    assert set(renewed) == {"outcome", "lease"}
+    assert renewed["outcome"] == "renewed"
+    assert set(renewed["lease"]) == LEASE_KEYS
+    for key in ("name", "holder", "epoch", "token", "acquired_at"):
+        assert renewed["lease"][key] == lease[key]
+    assert renewed["lease"]["ttl"] == 60.0
+    assert when(renewed["lease"]["expires_at"]) > when(lease["expires_at"])
+    owner = store.owner("job")
+    assert owner is not None
+    assert owner.expires_at == when(renewed["lease"]["expires_at"])
+
+
+def test_renew_and_release_read_the_lease_from_json(database_url: str, tmp_path: Path) -> None:
+    acquired = acquire(database_url, "job", "a", "--purpose", "nightly")
+    saved = tmp_path / "lease.json"
+    saved.write_text(acquired.stdout)
+    renewed = cli(database_url, "renew", "--lease-json", str(saved))
+    assert renewed.exit_code == ExitCode.OK, renewed.stderr
+    assert answer(renewed)["lease"]["ttl"] == 30.0
+    assert answer(renewed)["lease"]["purpose"] == "nightly"
+    renamed = cli(
+        database_url, "renew", "job", "--lease-json", "-", "--ttl", "10", stdin=renewed.stdout
+    )
+    assert answer(renamed)["lease"]["ttl"] == 10.0
+    released = cli(database_url, "release", "--lease-json", "-", stdin=renamed.stdout)
+    assert released.exit_code == ExitCode.OK, released.stderr
+    assert answer(released) == {"outcome": "released", "name": "job", "epoch": 1, "holder": "a"}
+    again = cli(database_url, "release", "--lease-json", str(saved))
+    assert again.exit_code == ExitCode.OK, "releasing twice is harmless"
+    successor = answer(acquire(database_url, "job", "b"))
+    assert (successor["acquired"], successor["lease"]["epoch"]) == (True, 2)
+
+
+def test_renewing_a_superseded_lease_exits_5_with_the_owner(database_url: str) -> None:
+    lease = answer(acquire(database_url, "job", "a"))["lease"]
+    assert cli(database_url, "release", *holder_flags(lease)).exit_code == ExitCode.OK
+    acquire(database_url, "job", "b")
+    result = cli(database_url, "renew", *holder_flags(lease), "--ttl", "30")
+    assert_error(result, ExitCode.LOST, "superseded", "holder b")
+    lost = answer(result)
+    assert set(lost) == {"outcome", "reason", "name", "epoch", "owner"}
+    assert (lost["outcome"], lost["reason"], lost["name"], lost["epoch"]) == (
+        "lost",
+        "superseded",
+        "job",
+        1,
+    )
+    assert (lost["owner"]["holder"], lost["owner"]["epoch"]) == ("b", 2)
+    assert "token" not in result.stdout
+
+
+def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: str) -> None:
+    lease = answer(acquire(database_url, "job", "a"))["lease"]
+    forged = {**lease, "token": str(uuid.uuid4())}
+    result = cli(database_url, "release", *holder_flags(forged))
+    assert_error(result, ExitCode.LOST, "forged")
+    assert answer(result)["reason"] == "forged"
+    [owner] = answer(cli(database_url, "status", "job", "--json"))
+    assert (owner["holder"], owner["epoch"], owner["state"]) == ("a", 1, "held")
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (
+            ("renew", "job", "--epoch", "1", "--token", TOKEN, "--holder", "a"),
+            None,
+            "missing --ttl",
+        ),
+        (("release", "job", "--epoch", "1", "--holder", "a"), None, "missing --token"),
+        (("release", "--epoch", "1", "--holder", "a", "--token", "x"), None, "missing NAME"),
+        (
+            ("release", "job", "--epoch", "1", "--holder", "a", "--token", "nope"),
+            None,
+            "token must be a UUID",
+        ),
+        (("release", "--lease-json", "-", "--epoch", "1"), "{}", "cannot be combined"),
+        (("release", "--lease-json", "-"), '{"outcome": "held", "lease": null}', "holds no lease"),
+        (("release", "--lease-json", "-"), '{"lease": {"name": "job"}}', "lacks environment"),
+        (("release", "--lease-json", "-"), "{not json", "not JSON"),
+        (("renew", "--lease-json", "-"), json.dumps({"lease": {**IDENTITY, "ttl": "x"}}), "ttl"),
+        (
+            ("renew", "--lease-json", "-"),
+            json.dumps({"lease": {**IDENTITY, "epoch": "1"}}),
+            "epoch",
+        ),
+        (
+            ("renew", "--lease-json", "-"),
+            json.dumps({"lease": {**IDENTITY, "holder": 7}}),
+            "holder",
+        ),
+        (("release", "other", "--lease-json", "-"), None, "is not the lease"),
+    ],
+)
+def test_holder_identity_errors_are_caught_before_any_sql(
+    database_url: str, args: tuple[str, ...], stdin: str | None, message: str
+) -> None:
+    if stdin is None and "--lease-json" in args:
+        stdin = acquire(database_url, "job", "a").stdout
+    # The database is unreachable: the input is refused before anything connects.
+    assert_error(cli(UNREACHABLE, *args, stdin=stdin), ExitCode.USAGE, message)
+
+
+# -- pause and resume -------------------------------------------------------------------------
+
+
+def test_pause_and_resume(database_url: str) -> None:
+    acquire(database_url, "job", "a")
+    paused = cli(database_url, "pause", "job", "--reason", "investigating", "--by", "ops@a")
+    assert paused.exit_code == ExitCode.OK, paused.stderr
+    assert answer(paused)["outcome"] == "paused"
+    owner = answer(paused)["owner"]
+    assert set(owner) == OWNER_KEYS
+    assert (owner["paused"], owner["paused_reason"], owner["paused_by"], owner["state"]) == (
+        True,
+        "investigating",
+        "ops@a",
+        "paused",
+    )
+    assert "by ops@a: investigating" in cli(database_url, "status").stdout
+    assert acquire(database_url, "job", "b").exit_code == ExitCode.PAUSED
+    resumed = cli(database_url, "resume", "job")
+    assert resumed.exit_code == ExitCode.OK, resumed.stderr
+    assert answer(resumed)["outcome"] == "resumed"
+    assert (answer(resumed)["owner"]["paused"], answer(resumed)["owner"]["paused_by"]) == (
+        False,
+        None,
+    )
+
+
+def test_pause_defaults_by_to_user_at_host(database_url: str) -> None:
+    owner = answer(cli(database_url, "pause", "new-lease", "--reason", "not yet"))["owner"]
+    assert re.fullmatch(r".+@.+", owner["paused_by"]), owner["paused_by"]
+
+
+def test_resume_of_an_unknown_lease_is_one_line(database_url: str) -> None:
+    assert_error(cli(database_url, "resume", "ghost"), ExitCode.ERROR, "no lease named ghost")
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def test_status_table_json_and_filters(database_url: str) -> None:
+    acquire(database_url, "a-lease", "alpha", "--purpose", "x")
+    acquire(database_url, "b-lease", "beta", ttl="5", environment="test")
+    table = cli(database_url, "status").stdout.splitlines()
+    assert table[0].split() == [
+        "NAME",
+        "ENVIRONMENT",
+        "HOLDER",
+        "EPOCH",
+        "STATE",
+        "EXPIRES_AT",
+        "PAUSED",
+    ]
+    assert [row.split()[:5] for row in table[1:]] == [
+        ["a-lease", "default", "alpha", "1", "held"],
+        ["b-lease", "test", "beta", "1", "held"],
+    ]
+    everything = answer(cli(database_url, "status", "--json"))
+    assert [owner["name"] for owner in everything] == ["a-lease", "b-lease"]
+    assert all(set(owner) == OWNER_KEYS for owner in everything)
+    only_test = answer(cli(database_url, "status", "--environment", "test", "--json"))
+    assert [owner["name"] for owner in only_test] == ["b-lease"]
+    one = cli(database_url, "status", "b-lease")
+    assert [row.split()[0] for row in one.stdout.splitlines()] == ["NAME", "b-lease"]
+    assert_error(
+        cli(database_url, "status", "b-lease", "--environment", "default"),
+        ExitCode.ERROR,
+        "no lease named b-lease in environment default",
+    )
+    assert_error(cli(database_url, "status", "ghost"), ExitCode.ERROR, "no lease named ghost")
+
+
+def test_history(database_url: str) -> None:
+    lease = answer(acquire(database_url, "job", "a", "--purpose", "first"))["lease"]
+    cli(database_url, "release", *holder_flags(lease))
+    acquire(database_url, "job", "b", "--purpose", "second")
+    entries = answer(cli(database_url, "history", "job", "--json"))
+    assert [(e["epoch"], e["holder"], e["end_reason"]) for e in entries] == [
+        (2, "b", None),
+        (1, "a", "released"),
+    ]
+    assert set(entries[0]) == {
+        "name",
+        "epoch",
+        "environment",
+        "holder",
+        "purpose",
+        "acquired_at",
+        "ended_at",
+        "end_reason",
+    }
+    assert len(answer(cli(database_url, "history", "job", "--limit", "1", "--json"))) == 1
+    table = cli(database_url, "history", "job").stdout.splitlines()
+    assert table[0].split() == [
+        "EPOCH",
+        "HOLDER",
+        "ENVIRONMENT",
+        "PURPOSE",
+        "ACQUIRED_AT",
+        "ENDED_AT",
+        "END",
+    ]
+    assert [row.split()[:4] for row in table[1:]] == [
+        ["2", "b", "default", "second"],
+        ["1", "a", "default", "first"],
+    ]
+    assert cli(database_url, "history", "ghost").stdout == "no history for lease ghost\n"
+
+
+def _stale(database_url: str, environment: str, name: str, command: str) -> None:
+    """Leave one stale ``command`` (renew or release) by holder ``old`` on lease ``name``."""
+    lease = answer(acquire(database_url, name, "old", environment=environment))["lease"]
+    cli(database_url, "release", *holder_flags(lease))
+    acquire(database_url, name, "new", environment=environment)
+    ttl = ["--ttl", "30"] if command == "renew" else []
+    assert cli(database_url, command, *holder_flags(lease), *ttl).exit_code == ExitCode.LOST
+
+
+def test_stale_runs(database_url: str) -> None:
+    assert cli(database_url, "stale-runs").stdout == "no stale runs\n"
+    _stale(database_url, "prod", "p-lease", "renew")
+    _stale(database_url, "test", "t-lease", "release")
+    runs = answer(cli(database_url, "stale-runs", "--json"))
+    assert [(r["environment"], r["lease_name"], r["action"]) for r in runs] == [
+        ("test", "t-lease", "release"),
+        ("prod", "p-lease", "renew"),
+    ]
+    assert set(runs[0]) == {
+        "id",
+        "recorded_at",
+        "environment",
+        "lease_name",
+        "stale_epoch",
+        "stale_holder",
+        "current_epoch",
+        "current_holder",
+        "reason",
+        "action",
+        "enforced",
+    }
+    run = runs[1]
+    assert (
+        run["stale_holder"],
+        run["stale_epoch"],
+        run["current_holder"],
+        run["current_epoch"],
+    ) == (
+        "old",
+        1,
+        "new",
+        2,
+    )
+    assert (run["reason"], run["enforced"]) == ("superseded", True)
+    assert when(run["recorded_at"]).tzinfo is not None
+    prod = answer(cli(database_url, "stale-runs", "--environment", "prod", "--json"))
+    assert [r["lease_name"] for r in prod] == ["p-lease"]
+    by_lease = answer(cli(database_url, "stale-runs", "--lease", "t-lease", "--json"))
+    assert [r["environment"] for r in by_lease] == ["test"]
+    assert len(answer(cli(database_url, "stale-runs", "--limit", "1", "--json"))) == 1
+    table = cli(database_url, "stale-runs", "--environment", "prod").stdout.splitlines()
+    assert table[0].split() == [
+        "RECORDED_AT",
+        "ENVIRONMENT",
+        "LEASE",
+        "STALE_EPOCH",
+        "STALE_HOLDER",
+        "CURRENT_EPOCH",
+        "CURRENT_HOLDER",
+        "REASON",
+        "ACTION",
+        "ENFORCED",
+    ]
+    assert table[1].split()[1:] == [
+        "prod",
+        "p-lease",
+        "1",
+        "old",
+        "2",
+        "new",
+        "superseded",
+        "renew",
+        "yes",
+    ]
+    nothing = cli(database_url, "stale-runs", "--environment", "nowhere")
+    assert nothing.stdout == "no stale runs\n"
+
+
+# -- the canary -------------------------------------------------------------------------------
+
+
+def json_lines(output: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+
+
+def assert_one_winner(answers: list[dict[str, Any]], clients: int, epoch: int) -> dict[str, Any]:
+    """Exactly one winner at ``epoch``; every loser names it and carries no token."""
+    assert len(answers) == clients
+    winners = [a["lease"] for a in answers if a["acquired"]]
+    assert len(winners) == 1, answers
+    [won] = winners
+    assert won["epoch"] == epoch
+    for lost in (a for a in answers if not a["acquired"]):
+        assert (lost["outcome"], lost["lease"]) == ("held", None)
+        assert (lost["owner"]["holder"], lost["owner"]["epoch"]) == (won["holder"], won["epoch"])
+        assert "token" not in lost["owner"]
+    return won
+
+
+def test_canary_script_two_clients_one_winner(database_url: str, store: LeaseStore) -> None:
+    result = subprocess.run(
+        [str(REPO / "scripts" / "canary")],
+        env={**os.environ, "CELERY_FENCE_DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "canary: OK" in result.stdout
+    won = assert_one_winner(json_lines(result.stdout), clients=2, epoch=2)
+    entries = store.history("canary")
+    assert [(e.epoch, e.holder, e.end_reason) for e in entries] == [
+        (2, won["holder"], "released"),
+        (1, "canary-seed", "expired"),
+    ]
+
+
+def test_canary_command_with_three_clients(database_url: str, store: LeaseStore) -> None:
+    result = cli(database_url, "canary", "--clients", "3", "--name", "race:three", "--ttl", "5")
+    assert result.exit_code == ExitCode.OK, result.stdout + result.stderr
+    won = assert_one_winner(json_lines(result.stdout), clients=3, epoch=2)
+    assert result.stdout.splitlines()[-1].startswith(f"canary: OK: {won['holder']} won epoch 2")
+    owner = store.owner("race:three")
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.state) == (won["holder"], 2, "released")
+
+
+def test_canary_refuses_a_lease_held_by_another(database_url: str, store: LeaseStore) -> None:
+    acquire(database_url, "canary", "someone", ttl="60")
+    result = cli(database_url, "canary")
+    assert_error(result, ExitCode.ERROR, "lease canary is held by someone at epoch 1")
+    owner = store.owner("canary")
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.state) == ("someone", 1, "held")
+
+
+def _owner(holder: str, epoch: int) -> Owner:
+    moment = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    return Owner(
+        name="canary",
+        environment="default",
+        holder=holder,
+        purpose="canary",
+        epoch=epoch,
+        state="held",
+        acquired_at=moment,
+        renewed_at=moment,
+        expires_at=moment,
+        hold_until=moment,
+        released_at=None,
+        paused=False,
+        paused_reason=None,
+        paused_by=None,
+        paused_at=None,
+    )
+
+
+def _won(holder: str, epoch: int) -> RaceAnswer:
+    lease = {"holder": holder, "epoch": epoch, "token": str(uuid.uuid4())}
+    return RaceAnswer(
+        holder=holder,
+        exit_code=ExitCode.OK,
+        answer={"outcome": "acquired", "acquired": True, "lease": lease, "owner": None},
+        error="",
+    )
+
+
+def _lost(holder: str, told: str, epoch: int, **owner: Any) -> RaceAnswer:
+    seen = {"holder": told, "epoch": epoch, **owner}
+    return RaceAnswer(
+        holder=holder,
+        exit_code=ExitCode.HELD,
+        answer={"outcome": "held", "acquired": False, "lease": None, "owner": seen},
+        error="",
+    )
+
+
+@pytest.mark.parametrize(
+    ("answers", "current", "problem"),
+    [
+        ([_won("c1", 2), _won("c2", 2)], _owner("c1", 2), "expected exactly one winner, got 2"),
+        ([_lost("c1", "x", 1), _lost("c2", "x", 1)], _owner("x", 1), "exactly one winner, got 0"),
+        ([_won("c1", 3), _lost("c2", "c1", 3)], _owner("c1", 3), "from 1 to 3, not up by one"),
+        ([_won("c1", 2), _lost("c2", "canary-seed", 1)], _owner("c1", 2), "c2 was told the owner"),
+        ([_won("c1", 2), _lost("c2", "c1", 2, token="t")], _owner("c1", 2), "carries a token"),
+        ([_won("c1", 2), _lost("c2", "c1", 2)], _owner("c2", 2), "the database names c2"),
+        ([_won("c1", 2), _lost("c2", "c1", 2)], None, "the database names None"),
+        (
+            [_won("c1", 2), RaceAnswer(holder="c2", exit_code=1, answer=None, error="boom")],
+            _owner("c1", 2),
+            "c2 failed (exit 1): boom",
+        ),
+        (
+            [dataclasses.replace(_won("c1", 2), exit_code=ExitCode.HELD), _lost("c2", "c1", 2)],
+            _owner("c1", 2),
+            "c1 failed (exit 3)",
+        ),
+    ],
+)
+def test_race_problems_finds_every_broken_promise(
+    answers: list[RaceAnswer], current: Owner | None, problem: str
+) -> None:
+    assert race_problems(1, [_won("c1", 2), _lost("c2", "c1", 2)], _owner("c1", 2)) == []
+    problems = race_problems(1, answers, current)
+    assert any(problem in found for found in problems), problems
+
+
+# -- the reference page -----------------------------------------------------------------------
+
+
+def test_the_reference_documents_every_command_option_and_exit_code() -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    for param in main.params:
+        for opt in param.opts:
+            assert f"`{opt}" in text, opt
+    for name, command in main.commands.items():
+        assert f"### `celery-fence {name}" in text, name
+        section = text.split(f"### `celery-fence {name}", 1)[1].split("\n### ", 1)[0]
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert any(f"`{opt}" in section for opt in param.opts), (name, param.opts)
+            else:
+                assert (param.name or "").upper() in section, (name, param.name)
+    for code in ExitCode:
+        assert re.search(rf"^\| {code.value} \| `{code.name}` \|", text, re.MULTILINE), code
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A ``$ command`` of the page, the output the page shows after it, its exit status."""
+
+    line: int
+    command: str
+    output: str
+    exit_code: int
+
+
+EXIT = re.compile(r"\s#\s*exit\s+(?P<code>\d+)\s*$")
+# The runner sets the database URL itself; test_canary_script_two_clients_one_winner runs
+# the script.
+NOT_RUN_HERE = ("export ", "scripts/canary")
+
+
+def examples(page: Path) -> list[Example]:
+    """The ``$ command`` lines of the page's console blocks, in order."""
+    found: list[tuple[int, str, list[str]]] = []
+    language = None
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.startswith("```"):
+            language = line[3:].strip() if language is None else None
+        elif language == "console" and line.startswith("$ "):
+            found.append((number, line[2:], []))
+        elif language == "console" and found:
+            found[-1][2].append(line)
+    return [
+        Example(
+            line=number,
+            command=command,
+            output="\n".join(output),
+            exit_code=int(match["code"]) if (match := EXIT.search(command)) else 0,
+        )
+        for number, command, output in found
+    ]
+
+
+def test_every_example_of_the_reference_runs_as_shown(database_url: str, tmp_path: Path) -> None:
+    env = {**os.environ, "CELERY_FENCE_DATABASE_URL": database_url}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("CELERY_FENCE_ENVIRONMENT", None)
+    checker = doctest.OutputChecker()
+    ran = 0
+    for example in examples(DOCS):
+        if example.command.startswith(NOT_RUN_HERE):
+            continue
+        result = subprocess.run(
+            ["bash", "-c", example.command],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        context = f"cli.md:{example.line}: $ {example.command}\n{result.stdout}"
+        assert result.returncode == example.exit_code, context
+        want = example.output.strip() + "\n"
+        got = result.stdout.strip() + "\n"
+        flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+        assert checker.check_output(want, got, flags), f"the page shows:\n{want}{context}"
+        ran += 1
+    assert ran >= 20

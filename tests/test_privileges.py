@@ -1,0 +1,198 @@
+"""Least privilege as ``docs/how-to/least-privilege.md`` has it: the page is the one list of
+grants. Its SQL blocks run here with role and database names of this test's own: an owner
+installs the schema, a runtime role gets exactly the page's grants and can then do everything
+the library does; each of those grants is needed, and a role without them is refused."""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from sqlalchemy.engine import make_url
+from test_docs import DOCS, blocks
+
+from celery_fence import FenceDatabaseError, LeaseStore, StaleEpochError
+from celery_fence.cli import main
+from celery_fence.store import proof
+
+PAGE = DOCS / "how-to" / "least-privilege.md"
+OWNER, RUNTIME = "celery_fence_owner", "celery_fence_app"
+_GRANT = re.compile(r"^GRANT (?P<privileges>.+?) ON (?P<object>.+?) TO (?P<role>\w+);$")
+
+
+def grants(audience: str) -> str:
+    """The SQL block of the page marked ``<!-- grants: AUDIENCE -->``."""
+    (block,) = [b for b in blocks(PAGE) if b.marker == f"grants: {audience}"]
+    return block.body
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The page's roles under names of this test's own, in the test's database."""
+
+    names: dict[str, str]
+    database: str
+    url: sa.URL
+
+    def sql(self, text: str) -> str:
+        """The page's SQL with this test's role and database names."""
+        for page_name, name in self.names.items():
+            text = re.sub(rf"\b{page_name}\b", f'"{name}"', text)
+        return re.sub(r"\bDATABASE app\b", f'DATABASE "{self.database}"', text)
+
+    def url_for(self, role: str) -> str:
+        return self.url.set(username=self.names[role]).render_as_string(hide_password=False)
+
+    def run_as(self, role: str | None, text: str) -> None:
+        """Run ``text`` (the page's SQL) as ``role`` (``None``: the test's superuser)."""
+        url = self.url if role is None else make_url(self.url_for(role))
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        try:
+            with engine.begin() as conn:
+                for statement in filter(str.strip, self.sql(text).split(";")):
+                    conn.exec_driver_sql(statement)
+        finally:
+            engine.dispose()
+
+
+@pytest.fixture
+def roles(empty_database_url: str) -> Iterator[Roles]:
+    """The owner and the runtime role of the page, plus ``nobody`` (a login and nothing
+    else), created in the test's empty database and dropped after the test."""
+    suffix = f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    url = make_url(empty_database_url)
+    names = {OWNER: f"cf_owner_{suffix}", RUNTIME: f"cf_app_{suffix}", "nobody": f"cf_no_{suffix}"}
+    made = Roles(names=names, database=str(url.database), url=url)
+    made.run_as(None, grants("superuser") + "CREATE ROLE nobody LOGIN;")
+    try:
+        yield made
+    finally:
+        made.run_as(None, f"DROP OWNED BY {', '.join(names)} CASCADE;")
+        made.run_as(None, "".join(f"DROP ROLE {name};" for name in names))
+
+
+@pytest.fixture
+def installed(roles: Roles) -> Roles:
+    """The page's steps 2 and 3: ``celery-fence install`` as the owner, then its grants."""
+    result = CliRunner().invoke(main, ["--database-url", roles.url_for(OWNER), "install"])
+    assert result.exit_code == 0, result.output
+    roles.run_as(OWNER, grants("owner"))
+    return roles
+
+
+@pytest.fixture
+def store_as() -> Iterator[Callable[[str], LeaseStore]]:
+    stores: list[LeaseStore] = []
+
+    def make(url: str) -> LeaseStore:
+        stores.append(LeaseStore.from_url(url, default_environment="prod"))
+        return stores[-1]
+
+    yield make
+    for store in stores:
+        store.engine.dispose()
+
+
+def exercise(store: LeaseStore, name: str) -> None:
+    """Everything the library does with the database, as one role: the start-up check,
+    acquire, renew, a fenced write, pause and resume, release, a rejected stale write and its
+    record, a continuation joining the lease, a beat slot claim, and every read."""
+    store.check_schema()
+    got = store.acquire(name, holder="deploy-1", ttl=30, purpose="release 42")
+    assert got.lease is not None, got
+    lease = store.renew(got.lease)
+    with store.engine.begin() as conn, store.guard(lease, conn, action="publish manifest"):
+        conn.execute(sa.text("SELECT 1"))
+    joined = store.rejoin(
+        name,
+        epoch=lease.epoch,
+        holder=lease.holder,
+        mode="join",
+        proof=proof(lease, "join"),
+        ttl=30,
+        action="start child",
+    )
+    assert joined.outcome == "joined"
+    slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    assert store.claim_slot(lease, entry="plan", slot=slot, task="tasks.plan")
+    assert [d.entry for d in store.dispatches(name)] == ["plan"]
+    store.release(lease)
+    with (
+        pytest.raises(StaleEpochError),
+        store.engine.begin() as conn,
+        store.guard(lease, conn, action="late publish"),
+    ):
+        conn.execute(sa.text("SELECT 1"))
+    assert [run.reason for run in store.stale_runs(lease_name=name)] == ["released"]
+    assert [entry.end_reason for entry in store.history(name)] == ["released"]
+    store.pause(name, reason="investigating", by="ops")
+    assert store.resume(name).paused is False
+    assert store.owner(name) is not None
+    assert name in [owner.name for owner in store.leases()]
+
+
+def test_the_page_grants_the_runtime_role_everything_it_needs(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    exercise(store_as(installed.url_for(RUNTIME)), "release:prod")
+    result = CliRunner().invoke(
+        main, ["--database-url", installed.url_for(RUNTIME), "status", "release:prod"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "release:prod" in result.output
+
+
+def test_the_runtime_role_owns_nothing_and_cannot_install(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    url = make_url(installed.url_for(OWNER)).set(drivername="postgresql+psycopg")
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    with engine.connect() as conn:
+        owners = conn.execute(
+            sa.text(
+                "SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_class c "
+                "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'celery_fence'"
+            )
+        ).scalars()
+        assert set(owners) == {installed.names[OWNER]}
+    engine.dispose()
+    with pytest.raises(FenceDatabaseError, match="permission denied"):
+        store_as(installed.url_for(RUNTIME)).install()
+
+
+def test_every_grant_of_the_page_is_needed(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    """Revoke one privilege at a time: something the library does must then be refused."""
+    store = store_as(installed.url_for(RUNTIME))
+    privileges = [
+        (privilege.strip(), match["object"])
+        for line in grants("owner").splitlines()
+        if (match := _GRANT.match(line.strip()))
+        for privilege in match["privileges"].split(",")
+    ]
+    assert len(privileges) == 12, privileges
+    for privilege, target in privileges:
+        statement = f"{privilege} ON {target} {{}} {RUNTIME};"
+        installed.run_as(OWNER, "REVOKE " + statement.format("FROM"))
+        with pytest.raises(FenceDatabaseError, match="permission denied"):
+            exercise(store, f"job:{privilege}:{target}".replace(" ", "_"))
+        installed.run_as(OWNER, "GRANT " + statement.format("TO"))
+    exercise(store, "job:all-granted")
+
+
+def test_a_role_without_the_grants_is_refused(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    store = store_as(installed.url_for("nobody"))
+    with pytest.raises(FenceDatabaseError, match="permission denied for schema celery_fence"):
+        store.acquire("release:prod", holder="intruder", ttl=30)
+    with pytest.raises(FenceDatabaseError, match="permission denied"):
+        store.stale_runs()

@@ -1,0 +1,215 @@
+"""Bad input is refused with a ConfigurationError before any SQL is sent, and changes nothing.
+
+The SQL functions check their own arguments too, for clients that call them directly.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from celery_fence import ConfigurationError, Lease, LeaseStore
+
+BAD_TEXT = {
+    "empty": "",
+    "overlong": "x" * 201,
+    "newline": "a\nb",
+    "nul": "a\x00b",
+    "leading space": " a",
+    "trailing space": "a ",
+    "not a string": 42,
+}
+BAD_SECONDS = {
+    "zero": 0,
+    "negative": -1,
+    "nan": math.nan,
+    "inf": math.inf,
+    "bool": True,
+    "string": "10",
+    "over max_ttl": 3601,
+}
+
+BAD_LIMITS = (0, -1, 10_001, True, 1.5)
+
+
+def a_lease() -> Lease:
+    moment = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    return Lease(
+        name="release:prod", environment="prod", holder="h", purpose="", epoch=1,
+        token=uuid.uuid4(), acquired_at=moment, expires_at=moment, hold_until=moment, ttl=10.0,
+        deadline=math.inf,
+    )  # fmt: skip
+
+
+def acquire(**overrides: Any) -> Callable[[LeaseStore], object]:
+    arguments: dict[str, Any] = {"holder": "h", "ttl": 10, "environment": "prod"}
+    arguments.update(overrides)
+    name = arguments.pop("name", "release:prod")
+    return lambda store: store.acquire(name, **arguments)
+
+
+def renew(ttl: object) -> Callable[[LeaseStore], object]:
+    return lambda store: store.renew(a_lease(), ttl=ttl)  # type: ignore[arg-type]
+
+
+def history(limit: object) -> Callable[[LeaseStore], object]:
+    return lambda store: store.history("x", limit=limit)  # type: ignore[arg-type]
+
+
+def stale_runs(limit: object) -> Callable[[LeaseStore], object]:
+    return lambda store: store.stale_runs(limit=limit)  # type: ignore[arg-type]
+
+
+def guard(action: object) -> Callable[[LeaseStore], object]:
+    def call(store: LeaseStore) -> None:
+        with store.engine.connect() as conn, store.guard(a_lease(), conn, action=action):  # type: ignore[arg-type]
+            raise AssertionError("the body of a refused guard ran")
+
+    return call
+
+
+BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
+    **{f"acquire name {k}": acquire(name=v) for k, v in BAD_TEXT.items()},
+    **{f"acquire holder {k}": acquire(holder=v) for k, v in BAD_TEXT.items()},
+    **{f"acquire ttl {k}": acquire(ttl=v) for k, v in BAD_SECONDS.items()},
+    "acquire environment empty": acquire(environment=""),
+    "acquire environment overlong": acquire(environment="e" * 65),
+    "acquire purpose newline": acquire(purpose="a\nb"),
+    "acquire max_hold below ttl": acquire(ttl=10, max_hold=5),
+    "acquire max_hold nan": acquire(max_hold=math.nan),
+    "acquire max_hold over 7 days": acquire(max_hold=7 * 86_400 + 1),
+    **{f"renew ttl {k}": renew(v) for k, v in BAD_SECONDS.items()},
+    "guard action empty": guard(""),
+    "guard action newline": guard("publish\nmanifest"),
+    "pause reason empty": lambda s: s.pause("release:prod", reason=""),
+    "pause by padded": lambda s: s.pause("release:prod", reason="r", by=" ops"),
+    "pause name nul": lambda s: s.pause("a\x00", reason="r"),
+    "resume name empty": lambda s: s.resume(""),
+    "owner name overlong": lambda s: s.owner("x" * 201),
+    "history name empty": lambda s: s.history(""),
+    **{f"history limit {n!r}": history(n) for n in BAD_LIMITS},
+    **{f"stale_runs limit {n!r}": stale_runs(n) for n in BAD_LIMITS},
+    "record_stale_run action empty": lambda s: s.record_stale_run(
+        "x", epoch=1, holder="h", reason="expired", action=""
+    ),
+    "rejoin proof not hex": lambda s: s.rejoin(
+        "x", epoch=1, holder="h", mode="join", proof="zz", ttl=10, action="a"
+    ),
+    "rejoin ttl nan": lambda s: s.rejoin(
+        "x", epoch=1, holder="h", mode="join", proof="00", ttl=math.nan, action="a"
+    ),
+}
+
+
+@pytest.fixture
+def statements(engine: Engine) -> Iterator[list[str]]:
+    """Every statement the engine sends from now on (connections are opened first)."""
+    with engine.connect() as conn:
+        conn.exec_driver_sql("SELECT 1")
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", record)
+    yield sent
+    sa.event.remove(engine, "before_cursor_execute", record)
+
+
+def row_counts(engine: Engine) -> tuple[int, int, int]:
+    with engine.connect() as conn:
+        counts = conn.exec_driver_sql(
+            "SELECT (SELECT count(*) FROM celery_fence.leases),"
+            " (SELECT count(*) FROM celery_fence.lease_history),"
+            " (SELECT count(*) FROM celery_fence.stale_runs)"
+        ).one()
+    return (counts[0], counts[1], counts[2])
+
+
+def test_bad_input_is_refused_before_any_sql(
+    store: LeaseStore, statements: list[str], subtests: pytest.Subtests
+) -> None:
+    for case, call in BAD_CALLS.items():
+        with subtests.test(case):
+            with pytest.raises(ConfigurationError):
+                call(store)
+            assert statements == []
+    assert row_counts(store.engine) == (0, 0, 0)
+    # The recorder does see what is sent: a valid call is not silent.
+    store.owner("release:prod")
+    assert statements
+
+
+BAD_STORES: dict[str, dict[str, Any]] = {
+    "max_ttl zero": {"max_ttl": 0},
+    "max_ttl over a day": {"max_ttl": 86_401},
+    "max_ttl nan": {"max_ttl": math.nan},
+    "lock_timeout zero": {"lock_timeout": 0},
+    "lock_timeout over a minute": {"lock_timeout": 61},
+    "safety_margin one": {"safety_margin": 1},
+    "safety_margin negative": {"safety_margin": -0.1},
+    "safety_margin bool": {"safety_margin": True},
+    "default_environment empty": {"default_environment": ""},
+}
+
+
+@pytest.mark.parametrize("settings", BAD_STORES.values(), ids=list(BAD_STORES))
+def test_impossible_store_settings_are_refused(settings: dict[str, Any]) -> None:
+    engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    with pytest.raises(ConfigurationError):
+        LeaseStore(engine, **settings)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["not a url", "sqlite:///fence.db", "mysql://user@localhost/db", "postgresql+nodriver://x/y"],
+)
+def test_urls_that_are_not_postgresql_are_refused(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        LeaseStore.from_url(url)
+
+
+def test_configuration_error_is_a_value_error_with_a_clear_message() -> None:
+    engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
+    with pytest.raises(ValueError, match="ttl must be finite"):
+        LeaseStore(engine).acquire("x", holder="h", ttl=math.inf)
+
+
+# -- the SQL functions check their arguments too --------------------------------------------------
+
+SQL_CALLS = {
+    "ttl zero": "SELECT celery_fence.acquire('x', 'prod', 'h', interval '0')",
+    "ttl negative": "SELECT celery_fence.acquire('x', 'prod', 'h', interval '-1 second')",
+    "ttl null": "SELECT celery_fence.acquire('x', 'prod', 'h', NULL)",
+    "ttl over a day": "SELECT celery_fence.acquire('x', 'prod', 'h', interval '25 hours')",
+    "name empty": "SELECT celery_fence.acquire('', 'prod', 'h', interval '10 seconds')",
+    "name overlong": "SELECT celery_fence.acquire(repeat('x', 201), 'prod', 'h', interval '10 s')",
+    "holder empty": "SELECT celery_fence.acquire('x', 'prod', '', interval '10 seconds')",
+    "max_hold below ttl": (
+        "SELECT celery_fence.acquire('x', 'prod', 'h', interval '10 s', interval '5 s')"
+    ),
+    "max_hold over 7 days": (
+        "SELECT celery_fence.acquire('x', 'prod', 'h', interval '10 s', interval '8 days')"
+    ),
+    "renew ttl zero": ("SELECT celery_fence.renew('x', 1, gen_random_uuid(), interval '0')"),
+    "rejoin bad mode": (
+        "SELECT celery_fence.rejoin('x', 1, 'h', 'take', '\\x00'::bytea, interval '10 s')"
+    ),
+}
+
+
+@pytest.mark.parametrize("statement", SQL_CALLS.values(), ids=list(SQL_CALLS))
+def test_sql_functions_refuse_bad_arguments(engine: Engine, statement: str) -> None:
+    with pytest.raises(sa.exc.DBAPIError) as caught, engine.begin() as conn:
+        conn.exec_driver_sql(statement)
+    assert isinstance(caught.value.orig, psycopg.errors.InvalidParameterValue)
+    assert caught.value.orig.sqlstate == "22023"
+    assert row_counts(engine) == (0, 0, 0)
