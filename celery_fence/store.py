@@ -9,10 +9,11 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.orm import Session
 
 from celery_fence import _sql, validation
 from celery_fence.exceptions import (
@@ -40,10 +41,8 @@ _OWNER_FIELDS = (
 )  # fmt: skip
 
 
-class Executor(Protocol):
-    """A SQLAlchemy ``Connection`` or ``Session``: anything with ``execute``."""
-
-    def execute(self, statement: Any, parameters: Any = ..., /) -> Any: ...
+#: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session``.
+Executor = sa.Connection | Session
 
 
 def engine_from_url(url: str, **kwargs: Any) -> Engine:
@@ -112,6 +111,18 @@ class _Statement:
         if self.positions:
             return tuple(values[name] for name in self.positions)
         return values
+
+
+def _dbapi_connection(conn: Executor) -> Any:
+    """The DB-API connection under a SQLAlchemy ``Connection`` or ``Session``, in its current
+    transaction."""
+    if isinstance(conn, Session):
+        conn = conn.connection()
+    if not isinstance(conn, sa.Connection):
+        raise ConfigurationError(
+            f"guard needs a SQLAlchemy Connection or Session, got {type(conn).__name__}"
+        )
+    return conn.connection
 
 
 def _owner(row: Mapping[str, Any]) -> Owner | None:
@@ -417,17 +428,22 @@ class LeaseStore:
             "token": lease.token,
             "now": self._now(),
         }
+        # The check runs on the DB-API connection under ``conn``, inside its transaction.
+        dbapi_connection = _dbapi_connection(conn)
         if not enforce:
-            row = conn.execute(self._queries["check_fence"], params).mappings().one()
+            try:
+                (row,) = self._run(dbapi_connection, "check_fence", params)
+            except self._driver_errors as exc:
+                raise _wrap(exc) from exc
             if row["reason"] is not None:
                 self._record_rejection(lease, row["reason"], action, False)
             return
         try:
-            conn.execute(self._queries["fence"], params)
-        except sa.exc.DBAPIError as exc:
+            self._run(dbapi_connection, "fence", params)
+        except self._driver_errors as exc:
             if _sqlstate(exc) != _STALE_EPOCH:
                 raise _wrap(exc) from exc
-            reason = str(exc.orig).split("stale epoch (", 1)[-1].split(")", 1)[0]
+            reason = str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
             owner = self.owner(lease.name)
             self._record_rejection(lease, reason, action, True)
             raise StaleEpochError(
@@ -624,22 +640,31 @@ class LeaseStore:
 
     def _rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         """Run a named query in autocommit on a pooled connection; wrap driver errors."""
-        statement = self._statements[query]
         try:
             with self.protocol_engine.connect() as conn:
-                cursor = conn.connection.cursor()
                 try:
-                    cursor.execute(statement.sql, statement.parameters(params))
-                    names = [column[0] for column in cursor.description]
-                    return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+                    return self._run(conn.connection, query, params)
                 except self._driver_errors as exc:
-                    if self.engine.dialect.is_disconnect(exc, conn.connection, cursor):  # type: ignore[arg-type]
+                    if self.engine.dialect.is_disconnect(exc, conn.connection, None):  # type: ignore[arg-type]
                         conn.invalidate(exc)
                     raise
-                finally:
-                    cursor.close()
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
+
+    def _run(
+        self, dbapi_connection: Any, query: str, params: Mapping[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Execute a named statement on a DB-API connection; its rows as dicts."""
+        statement = self._statements[query]
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(statement.sql, statement.parameters(params))
+            if cursor.description is None:
+                return []
+            names = [column[0] for column in cursor.description]
+            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+        finally:
+            cursor.close()
 
     def _call(self, query: str, params: dict[str, Any]) -> dict[str, Any]:
         """Like :meth:`_rows` for a query that answers exactly one row."""

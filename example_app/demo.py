@@ -258,8 +258,8 @@ class Demo:
             time.sleep(0.1)
 
     def beat(self, owner: Owner) -> tuple[str, int]:
-        """The demo's beat process that ``owner`` names (holders are ``beat@HOST:PID``)."""
-        pid = int(owner.holder.rsplit(":", 1)[1])
+        """The demo's beat process that ``owner`` names (holders are ``beat@HOST:PID:NONCE``)."""
+        pid = int(owner.holder.split(":")[1])
         return self.processes.name_of(pid), pid
 
     def leader(self, newer_than: int = 0) -> Owner | None:

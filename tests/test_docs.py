@@ -87,6 +87,14 @@ RUN_BY: dict[str, tuple[str, str]] = {
     ),
     "celery -A proj worker": ("example_app/__main__.py", '"worker": ("worker", "--loglevel=INFO")'),
     "scripts/canary": ("tests/test_cli.py", 'REPO / "scripts" / "canary"'),
+    ".venv/bin/python benchmarks/bench_protocol.py": (
+        "tests/test_benchmarks.py",
+        '"benchmarks/bench_protocol.py"',
+    ),
+    ".venv/bin/python benchmarks/bench_tasks.py": (
+        "tests/test_benchmarks.py",
+        '"benchmarks/bench_tasks.py"',
+    ),
 }
 #: Pages whose examples a dedicated test runs, and the test.
 DELEGATED = {"reference/cli.md": "tests/test_cli.py"}

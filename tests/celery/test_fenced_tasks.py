@@ -259,8 +259,8 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
         HOLDER,
         epoch,
     )
-    # The JSON result backend keeps the class name and the message.
-    assert "LeaseHeldError" in str(result.result)
+    # The JSON result backend rebuilds the error's class from its name and message.
+    assert isinstance(result.result, LeaseHeldError)
     assert f"held by {HOLDER} (epoch {epoch})" in str(result.result)
     assert fence.store.metrics.get(f"busy.{policy}") == refusals
     assert not publish.ran.is_set()
