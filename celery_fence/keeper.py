@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from celery_fence.exceptions import FenceDatabaseError, LeaseLostError
+from celery_fence.exceptions import LeaseLostError
 from celery_fence.models import Lease
 from celery_fence.observe import log
 
@@ -17,7 +17,7 @@ class LeaseKeeper:
 
     ``refresh`` is normally :meth:`LeaseStore.renew` on a store with a connection of its own, so
     a busy pool in the work cannot starve renewal. A definite "not yours"
-    (:class:`LeaseLostError`) ends the lease at once; database errors are retried until the
+    (:class:`LeaseLostError`) ends the lease at once; any other error is retried until the
     lease's monotonic deadline passes, then the lease counts as lost. ``lost`` is an event the
     work can check; ``lease`` is always the latest renewed lease.
     """
@@ -68,7 +68,7 @@ class LeaseKeeper:
             except LeaseLostError as exc:
                 self._lose(exc)
                 return
-            except FenceDatabaseError as exc:
+            except Exception as exc:  # anything but a definite "not yours" is ridden out
                 if not lease.trusted:
                     self._lose(
                         LeaseLostError(

@@ -411,6 +411,13 @@ class LeaseStore:
         blocked.
         """
         action = self._action(action)
+        # The check runs on the DB-API connection under ``conn``, inside its transaction.
+        dbapi_connection = _dbapi_connection(conn)
+        if getattr(dbapi_connection, "autocommit", False):
+            raise ConfigurationError(
+                "guard needs a connection in a transaction, not in autocommit: each write would "
+                "commit before the fence check"
+            )
         if not lease.trusted:
             self._record_rejection(lease, "expired", action, enforce)
             if enforce:
@@ -428,8 +435,6 @@ class LeaseStore:
             "token": lease.token,
             "now": self._now(),
         }
-        # The check runs on the DB-API connection under ``conn``, inside its transaction.
-        dbapi_connection = _dbapi_connection(conn)
         if not enforce:
             try:
                 (row,) = self._run(dbapi_connection, "check_fence", params)

@@ -287,6 +287,18 @@ BEGIN
                   DETAIL = format('current epoch %s held by %s', v_row.epoch, v_row.holder),
                   HINT = 'Roll back, then record it with celery_fence.record_stale_run().';
     END IF;
+    -- A writer stopped between this check and its COMMIT must not keep the row locked, and so
+    -- the lease from its successor, past the lease's expiry: the server then ends its session.
+    -- (An injected clock says nothing about when the server's own clock will get there.)
+    IF p_now IS NULL THEN
+        PERFORM set_config(
+            'idle_in_transaction_session_timeout',
+            least(2147483647, greatest(1, ceil(
+                extract(epoch FROM v_row.expires_at - clock_timestamp()) * 1000
+            )))::text,
+            true
+        );
+    END IF;
     RETURN p_epoch;
 END
 $$;
@@ -302,9 +314,9 @@ $$;
 -- was published under, proving it with HMAC-SHA256(token, proof_message) so that the token never
 -- travels. Mode 'resume' (retries and children of a fenced task) shares the lease while it is
 -- held (outcome 'joined': one more sharer, so the lease is released only when the last sharer
--- releases it) and takes it back when it was released or expired with no newer epoch (outcome
--- 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a lease that is still
--- held, without extending or releasing it. Rejections are recorded.
+-- releases it) and, when it was released or expired with no newer epoch, takes it over at the
+-- next epoch (outcome 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a
+-- lease that is still held, without extending or releasing it. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -313,7 +325,7 @@ DECLARE
     v_row celery_fence.leases;
     v_reason text;
     v_now timestamptz;
-    v_took_back boolean;
+    v_answer celery_fence.answer;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
@@ -333,7 +345,7 @@ BEGIN
             uuid_send(v_row.token), celery_fence.proof_message(p_name, p_epoch, p_holder, p_mode))
     ) THEN
         v_reason := 'forged';
-    ELSIF v_reason IN ('released', 'expired') AND p_mode = 'resume' AND v_row.hold_until > v_now THEN
+    ELSIF v_reason IN ('released', 'expired') AND p_mode = 'resume' THEN
         v_reason := NULL;
     END IF;
     IF v_reason IS NOT NULL THEN
@@ -345,20 +357,24 @@ BEGIN
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
-    v_took_back := v_row.released_at IS NOT NULL OR v_row.expires_at <= v_now;
+    IF v_row.released_at IS NOT NULL OR v_row.expires_at <= v_now THEN
+        -- Taking a released or expired lease back is a new ownership: a new epoch and token, so
+        -- that a stalled earlier delivery of the same work can no longer renew or write.
+        v_answer := celery_fence.acquire(
+            p_name, v_row.environment, p_holder, p_ttl,
+            greatest(p_ttl, v_row.hold_until - v_row.acquired_at), v_row.purpose,
+            p_now => p_now
+        );
+        v_answer.outcome := CASE WHEN v_answer.outcome = 'acquired' THEN 'resumed' ELSE 'lost' END;
+        RETURN v_answer;
+    END IF;
     UPDATE celery_fence.leases AS l SET
         renewed_at = v_now,
-        released_at = NULL,
-        sharers = CASE WHEN v_took_back THEN 1 ELSE l.sharers + 1 END,
-        expires_at = greatest(
-            CASE WHEN l.released_at IS NULL THEN l.expires_at END,
-            least(v_now + p_ttl, l.hold_until)
-        )
+        sharers = l.sharers + 1,
+        expires_at = greatest(l.expires_at, least(v_now + p_ttl, l.hold_until))
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
-    RETURN celery_fence.answer_of(
-        CASE WHEN v_took_back THEN 'resumed' ELSE 'joined' END, NULL, v_row, true, v_now
-    );
+    RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
 END
 $$;
 

@@ -81,6 +81,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             return float(self.max_interval)
         self.lead()
         if self.lease is None:
+            self._pass_due_entries()
             return float(self.renew_interval)
         interval: float = super().tick(*args, **kwargs)
         return min(interval, self._until_renewal())
@@ -108,9 +109,11 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         if got.lease is None:
             owner = got.owner
             if owner is not None and owner.holder == self.holder:
-                self._halt(
-                    f"the database says {self.holder} holds epoch {owner.epoch}, but this "
-                    "instance does not: two instances share one holder identity"
+                # An earlier acquisition of ours committed but its answer was lost: without its
+                # token this instance cannot use it, so it waits for it to expire.
+                self._standby(
+                    f"epoch {owner.epoch} was granted to this instance but its answer was lost; "
+                    "waiting for it to expire"
                 )
                 return
             self._standby(
@@ -171,6 +174,14 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         super().close()
 
     # -- internals --------------------------------------------------------------------------
+
+    def _pass_due_entries(self) -> None:
+        """On standby, move due entries on without sending them, as the leader does when it
+        sends them: a standby that takes over then has no backlog of slots to catch up on."""
+        for entry in list(self.schedule.values()):
+            due, _ = self.is_due(entry)
+            if due:
+                self.reserve(entry)
 
     def _until_renewal(self) -> float:
         return self._renewed_at + self.renew_interval - time.monotonic()

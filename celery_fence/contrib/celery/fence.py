@@ -129,11 +129,12 @@ class FencedRun:
             yield
 
     def header(self) -> FenceHeader | None:
-        """The header tasks published from this run carry."""
+        """The header tasks published from this run carry: none from a run without a lease or
+        one dispatched by beat (its children take leases of their own)."""
         lease = self.lease
-        if lease is None:
+        if lease is None or self.mode == "join":
             return None
-        return FenceHeader.for_lease(lease, "join" if self.mode == "join" else "resume")
+        return FenceHeader.for_lease(lease, "resume")
 
 
 def current_run() -> FencedRun | None:
@@ -152,7 +153,9 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
         header = run.header()
         value = None if header is None else header.to_message()
     elif current_task:
-        value = _header_of(current_task.request)
+        inherited = _header_of(current_task.request)
+        if isinstance(inherited, Mapping) and inherited.get("mode") == "resume":
+            value = inherited
     if value is not None:
         headers[HEADER] = value
 
@@ -327,9 +330,11 @@ class Fence:
         if enforcement == "off":
             return FencedRun(store=self.store, mode="owner", enforced=False)
         enforced = enforcement == "enforce"
-        header = _header_of(task.request)
-        if header is not None:
-            return self._continue(task, header, environment, enforced)
+        value = _header_of(task.request)
+        if value is not None:
+            run = self._continue(task, value, arguments, environment, enforced)
+            if run is not None:
+                return run
         return self._acquire(task, arguments, environment, enforced)
 
     def end(self, run: FencedRun) -> None:
@@ -399,13 +404,25 @@ class Fence:
         )
 
     def _continue(
-        self, task: FencedTask, value: object, environment: str, enforced: bool
-    ) -> FencedRun:
+        self,
+        task: FencedTask,
+        value: object,
+        arguments: Mapping[str, Any],
+        environment: str,
+        enforced: bool,
+    ) -> FencedRun | None:
+        """Run under the header's epoch: a beat dispatch (``join``), or a retry or child of a
+        run on this task's own lease (``resume``). ``None`` for a header about another lease,
+        which the task does not continue: it takes its own lease instead."""
         settings = self.settings
         action = f"start {task.name}"
         ttl = task.fence_ttl or settings.default_ttl
         try:
             header = FenceHeader.from_message(value)
+            if header.mode == "resume" and header.lease != _fill(
+                task.fence_lease, arguments, "lease"
+            ):
+                return None
             got = self.store.rejoin(
                 header.lease,
                 epoch=header.epoch,
