@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import os
 import threading
+import time
 from collections.abc import Callable
 
 from celery_fence.exceptions import LeaseLostError
@@ -13,13 +17,16 @@ Refresh = Callable[[Lease], Lease]
 
 
 class LeaseKeeper:
-    """Calls ``refresh(lease)`` every ``interval`` seconds on a thread of its own.
+    """Calls ``refresh(lease)`` every ``interval`` seconds, off the caller's thread.
 
     ``refresh`` is normally :meth:`LeaseStore.renew` on a store with a connection of its own, so
     a busy pool in the work cannot starve renewal. A definite "not yours"
     (:class:`LeaseLostError`) ends the lease at once; any other error is retried until the
     lease's monotonic deadline passes, then the lease counts as lost. ``lost`` is an event the
     work can check; ``lease`` is always the latest renewed lease.
+
+    The renewals of every keeper in a process run on one background thread, so starting and
+    stopping a keeper costs no thread of its own.
     """
 
     def __init__(self, lease: Lease, refresh: Refresh, *, interval: float) -> None:
@@ -28,11 +35,9 @@ class LeaseKeeper:
         self.interval = interval
         self.lost = threading.Event()
         self.error: LeaseLostError | None = None
-        self._stop = threading.Event()
+        self._stopped = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, name=f"celery-fence-keeper:{lease.name}", daemon=True
-        )
+        self._renewing = threading.Lock()
 
     @property
     def lease(self) -> Lease:
@@ -45,13 +50,13 @@ class LeaseKeeper:
         return not self.lost.is_set() and self.lease.trusted
 
     def start(self) -> LeaseKeeper:
-        self._thread.start()
+        _renewals.schedule(self, time.monotonic() + self.interval)
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        """No renewal after this returns (one in flight is waited for)."""
+        with self._renewing:
+            self._stopped = True
 
     def __enter__(self) -> LeaseKeeper:
         return self.start()
@@ -59,27 +64,29 @@ class LeaseKeeper:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        wait = self.interval
-        while not self._stop.wait(wait):
+    def renew_once(self) -> float | None:
+        """Renew now; the seconds until the next attempt, or ``None`` when this keeper is done."""
+        with self._renewing:
+            if self._stopped:
+                return None
             lease = self.lease
             try:
                 renewed = self._refresh(lease)
             except LeaseLostError as exc:
                 self._lose(exc)
-                return
+                return None
             except Exception as exc:  # anything but a definite "not yours" is ridden out
                 if not lease.trusted:
                     self._lose(
                         LeaseLostError(
                             f"lease {lease.name} epoch {lease.epoch} passed its deadline "
-                            f"while the database was unreachable: {exc}",
+                            f"while renewal kept failing: {exc}",
                             lease_name=lease.name,
                             epoch=lease.epoch,
                             reason="expired",
                         )
                     )
-                    return
+                    return None
                 # Retry sooner than the normal interval, but never past the deadline.
                 wait = max(0.05, min(self.interval / 4, lease.remaining() / 2))
                 log.warning(
@@ -89,10 +96,10 @@ class LeaseKeeper:
                     exc,
                     extra={"lease": lease.name, "epoch": lease.epoch},
                 )
-                continue
+                return wait
             with self._lock:
                 self._lease = renewed
-            wait = self.interval
+            return self.interval
 
     def _lose(self, error: LeaseLostError) -> None:
         self.error = error
@@ -103,3 +110,42 @@ class LeaseKeeper:
             error,
             extra={"lease": error.lease_name, "epoch": error.epoch, "reason": error.reason},
         )
+
+
+class _Renewals:
+    """The process's renewal thread: a queue of keepers ordered by when each is due. A forked
+    child starts afresh, with an empty queue and a thread of its own once it needs one."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._due: list[tuple[float, int, LeaseKeeper]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition()
+        self._running = False
+
+    def schedule(self, keeper: LeaseKeeper, at: float) -> None:
+        with self._wake:
+            if not self._running:
+                self._running = True
+                threading.Thread(
+                    target=self._run, name="celery-fence-renewals", daemon=True
+                ).start()
+            heapq.heappush(self._due, (at, next(self._order), keeper))
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._due or self._due[0][0] > time.monotonic():
+                    timeout = self._due[0][0] - time.monotonic() if self._due else None
+                    self._wake.wait(timeout)
+                _, _, keeper = heapq.heappop(self._due)
+            wait = keeper.renew_once()
+            if wait is not None:
+                self.schedule(keeper, time.monotonic() + wait)
+
+
+_renewals = _Renewals()

@@ -213,6 +213,9 @@ DECLARE
     v_row celery_fence.leases;
     v_reason text;
 BEGIN
+    -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
+    -- need not wait for the disk.
+    PERFORM set_config('synchronous_commit', 'off', true);
     -- A lease shared with continuations (see rejoin) is released by the last of its sharers.
     UPDATE celery_fence.leases AS l SET
         sharers = greatest(l.sharers - 1, 0),

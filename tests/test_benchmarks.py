@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TARGET = re.compile(r"^(?P<name>.+?)\s+(?P<ratio>\d+\.\d+)\s+(?P<limit>\d+\.\d+)\s+(PASS|MISS)$")
+TARGET = re.compile(
+    r"^(?P<name>.+?)\s+(?P<ratio>\d+\.\d+)\s+(?P<limit>[<>=]*\d+(\.\d+)?)\s+(PASS|MISS)$"
+)
 
 
 def run_benchmark(script: str, *args: str) -> list[re.Match[str]]:
@@ -43,4 +45,23 @@ def test_the_protocol_benchmark_measures_every_target(database_url: str) -> None
     )
     names = [match["name"] for match in targets]
     assert len(names) == 4, names
+    assert all(float(match["ratio"]) > 0 for match in targets)
+
+
+def test_the_task_benchmark_measures_every_target(database_url: str) -> None:
+    server = database_url.rsplit("/", 1)[0] + "/postgres"
+    targets = run_benchmark(
+        "benchmarks/bench_tasks.py",
+        "--database-url",
+        server,
+        "--tasks",
+        "20",
+        "--batch",
+        "5",
+        "--rounds",
+        "1",
+        "--warmup",
+        "2",
+    )
+    assert len(targets) == 2, [match["name"] for match in targets]
     assert all(float(match["ratio"]) > 0 for match in targets)

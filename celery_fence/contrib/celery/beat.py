@@ -72,7 +72,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return (
             f"    . lease -> {self.lease_name} (ttl {self.ttl:g}s, renew every "
             f"{self.renew_interval:g}s, environment {self.fence.settings.environment})\n"
-            f"    . holder -> {self.holder}"
+            f"    . holder -> beat@{socket.gethostname()}:{os.getpid()} (and a nonce per start)"
         )
 
     def tick(self, *args: Any, **kwargs: Any) -> float:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
+from functools import cached_property
 from typing import Any, Literal, NoReturn
 
 from celery import Celery, Task, bootsteps, current_task, signals
@@ -519,11 +520,15 @@ class FencedTask(Task):  # type: ignore[misc]
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The run's arguments by parameter name, defaults included (for the templates)."""
         try:
-            bound = inspect.signature(self.run).bind(*args, **kwargs)
+            bound = self._signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise ConfigurationError(f"{self.name}: {exc}") from exc
         bound.apply_defaults()
         return dict(bound.arguments)
+
+    @cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.run)
 
     def holder(self) -> str:
         request = self.request

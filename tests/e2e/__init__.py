@@ -1,0 +1,1 @@
+"""End-to-end tests: real worker and beat processes on a real broker (``-m e2e``)."""

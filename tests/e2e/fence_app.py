@@ -1,0 +1,177 @@
+"""The Celery app the end-to-end tests run as real worker and beat processes.
+
+    python -m celery -A tests.e2e.fence_app worker -Q QUEUE
+    python -m celery -A tests.e2e.fence_app beat -S fence
+
+Everything comes from the environment, so that each test has its own database, broker and
+queue: ``CELERY_FENCE_DATABASE_URL``, ``E2E_BROKER_URL``, ``E2E_RESULT_BACKEND``,
+``E2E_QUEUE``, ``E2E_BEAT_TTL`` (seconds) and ``E2E_TICK_EVERY`` (seconds between beat runs of
+:func:`tick`; unset, beat has nothing to schedule).
+
+The tasks write what they saw into plain tables of the test database (:data:`SCHEMA`), so that
+the tests can compare every execution with the lease history.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from celery import Celery, signals
+
+from celery_fence.contrib.celery import HEADER, Fence
+
+TICK = "e2e.tick"
+RELEASE = "e2e.release"
+RELEASE_TTL = 2.0
+
+SCHEMA = """
+CREATE TABLE ticks (
+    task_id    text        NOT NULL,
+    epoch      bigint      NOT NULL,
+    holder     text        NOT NULL,
+    mode       text        NOT NULL,
+    worker_pid integer     NOT NULL,
+    ran_at     timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE sends (
+    task_id text        NOT NULL,
+    epoch   bigint      NOT NULL,
+    holder  text        NOT NULL,
+    sent_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE release_starts (
+    task_id    text    NOT NULL,
+    release_id text    NOT NULL,
+    epoch      bigint  NOT NULL,
+    holder     text    NOT NULL,
+    worker_pid integer NOT NULL
+);
+CREATE TABLE manifests (
+    id           integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    environment  text        NOT NULL,
+    release_id   text        NOT NULL,
+    build        text        NOT NULL,
+    epoch        bigint      NOT NULL,
+    current      boolean     NOT NULL,
+    published_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE UNIQUE INDEX manifests_one_current ON manifests (environment) WHERE current;
+"""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
+app = Celery(
+    "e2e",
+    broker=os.environ.get("E2E_BROKER_URL", "redis://127.0.0.1:6379/0"),
+    backend=os.environ.get("E2E_RESULT_BACKEND", "redis://127.0.0.1:6379/0"),
+    set_as_current=False,
+)
+app.conf.update(
+    fence_database_url=os.environ.get("CELERY_FENCE_DATABASE_URL"),
+    fence_beat_ttl=_env_seconds("E2E_BEAT_TTL", 3.0),
+    task_default_queue=os.environ.get("E2E_QUEUE", "e2e"),
+    worker_prefetch_multiplier=1,
+    worker_enable_remote_control=False,
+    worker_send_task_events=False,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+)
+if os.environ.get("E2E_TICK_EVERY"):
+    app.conf.beat_schedule = {
+        "tick": {"task": TICK, "schedule": _env_seconds("E2E_TICK_EVERY", 1.0)},
+    }
+fence = Fence(app)
+
+
+@fence.task(name=TICK, lease="e2e-tick", bind=True)
+def tick(self: Any) -> int:
+    """A scheduled run: record the lease it runs under, in a fenced write."""
+    run = fence.current()
+    lease = run.lease
+    assert lease is not None
+    with fence.guard("record tick") as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO ticks (task_id, epoch, holder, mode, worker_pid) "
+                "VALUES (:task_id, :epoch, :holder, :mode, :pid)"
+            ),
+            {
+                "task_id": self.request.id,
+                "epoch": lease.epoch,
+                "holder": lease.holder,
+                "mode": run.mode,
+                "pid": os.getpid(),
+            },
+        )
+    return lease.epoch
+
+
+@fence.task(
+    name=RELEASE,
+    lease="release:{environment}",
+    environment="{environment}",
+    purpose="release {release_id} of {build}",
+    ttl=RELEASE_TTL,
+    bind=True,
+)
+def release(
+    self: Any, environment: str, release_id: str, build: str, migrate: float = 1.0
+) -> dict[str, Any]:
+    """A simulated release: validate, migrate, then publish the manifest as the current one."""
+    if not build.startswith("build-"):
+        raise ValueError(f"release {release_id}: {build!r} is not a build")
+    lease = fence.current().lease
+    assert lease is not None
+    with fence.store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO release_starts (task_id, release_id, epoch, holder, worker_pid) "
+                "VALUES (:task_id, :release_id, :epoch, :holder, :pid)"
+            ),
+            {
+                "task_id": self.request.id,
+                "release_id": release_id,
+                "epoch": lease.epoch,
+                "holder": lease.holder,
+                "pid": os.getpid(),
+            },
+        )
+    time.sleep(migrate)
+    with fence.guard("publish manifest") as conn:
+        conn.execute(
+            sa.text("UPDATE manifests SET current = false WHERE environment = :environment"),
+            {"environment": environment},
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO manifests (environment, release_id, build, epoch, current) "
+                "VALUES (:environment, :release_id, :build, :epoch, true)"
+            ),
+            {
+                "environment": environment,
+                "release_id": release_id,
+                "build": build,
+                "epoch": lease.epoch,
+            },
+        )
+    return {"release_id": release_id, "epoch": lease.epoch}
+
+
+@signals.before_task_publish.connect(sender=TICK, weak=False)
+def record_send(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """In beat: record each dispatched tick with the epoch its header carries."""
+    headers = headers or {}
+    header = headers.get(HEADER)
+    if not headers.get("celery_beat_task") or not isinstance(header, dict):
+        return
+    with fence.store.engine.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO sends (task_id, epoch, holder) VALUES (:id, :epoch, :holder)"),
+            {"id": headers["id"], "epoch": header["epoch"], "holder": header["holder"]},
+        )

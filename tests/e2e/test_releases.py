@@ -1,0 +1,129 @@
+"""Simulated releases through real prefork workers on a real broker.
+
+Two releases for one environment race: exactly one manifest is published, the winner's, and the
+lease history names it. A release whose lease expired while its worker process was stopped, and
+was taken over by another release, cannot publish when it resumes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from celery_fence import LeaseStore, StaleEpochError
+from celery_fence.contrib.celery import SKIPPED
+
+from .conftest import Cluster, wait_until
+from .fence_app import RELEASE, RELEASE_TTL
+
+pytestmark = pytest.mark.e2e
+
+MIGRATE = 5.0  # the stopped release's migrate step: long enough to still run when resumed
+
+
+def manifests(engine: Engine, environment: str) -> list[sa.Row[tuple[Any, ...]]]:
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT release_id, build, epoch, current FROM manifests "
+                    "WHERE environment = :environment ORDER BY id"
+                ),
+                {"environment": environment},
+            )
+        )
+
+
+def started(engine: Engine, task_id: str) -> sa.Row[tuple[Any, ...]] | None:
+    """The release's start record: its epoch, holder and the pool process that runs it."""
+    with engine.connect() as conn:
+        return conn.execute(
+            sa.text("SELECT epoch, holder, worker_pid FROM release_starts WHERE task_id = :id"),
+            {"id": task_id},
+        ).first()
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_racing_releases_publish_exactly_one_manifest(
+    cluster: Cluster, store: LeaseStore, engine: Engine
+) -> None:
+    cluster.worker("w1", concurrency=2)
+    builds = {"r-101": "build-101", "r-102": "build-102"}
+    results = {rid: cluster.send(RELEASE, "prod", rid, build) for rid, build in builds.items()}
+
+    states = {rid: cluster.finished(result) for rid, result in results.items()}
+
+    assert sorted(states.values()) == [SKIPPED, "SUCCESS"], states
+    (winner,) = (rid for rid, state in states.items() if state == "SUCCESS")
+    (loser,) = set(builds) - {winner}
+    (entry,) = store.history("release:prod")
+    assert (entry.epoch, entry.environment, entry.purpose) == (
+        1,
+        "prod",
+        f"release {winner} of {builds[winner]}",
+    )
+    assert results[winner].id in entry.holder
+    assert entry.end_reason == "released"
+    assert results[winner].result == {"release_id": winner, "epoch": 1}
+    assert manifests(engine, "prod") == [(winner, builds[winner], 1, True)]
+    assert started(engine, results[loser].id) is None
+    skipped = results[loser].info
+    assert skipped["lease"] == "release:prod"
+    assert skipped["reason"] == "held"
+    assert (skipped["owner_holder"], skipped["owner_epoch"]) == (entry.holder, 1)
+    assert skipped["owner_expires_at"] is not None
+
+
+def test_release_whose_lease_was_taken_over_cannot_publish(
+    cluster: Cluster, store: LeaseStore, engine: Engine
+) -> None:
+    queue_a, queue_b = f"{cluster.queue}-a", f"{cluster.queue}-b"
+    cluster.worker("wa", queue=queue_a)
+    cluster.worker("wb", queue=queue_b)
+    a = cluster.send(RELEASE, "staging", "r-201", "build-201", queue=queue_a, migrate=MIGRATE)
+    start_a = wait_until(lambda: started(engine, a.id), timeout=15, what="release A to start")
+    began = time.monotonic()
+    # Freeze the pool process running A: its migrate step and its lease renewal both stop.
+    os.kill(start_a.worker_pid, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: getattr(store.owner("release:staging"), "state", None) == "expired",
+            timeout=RELEASE_TTL + 5,
+            what="A's lease to expire",
+        )
+        b = cluster.send(RELEASE, "staging", "r-202", "build-202", queue=queue_b, migrate=0.2)
+        assert cluster.finished(b) == "SUCCESS"
+        # A resumes inside its migrate step, so its renewal learns of the loss first.
+        assert time.monotonic() - began < MIGRATE - 1
+    finally:
+        os.kill(start_a.worker_pid, signal.SIGCONT)
+
+    assert cluster.finished(a, timeout=MIGRATE + 15) == "FAILURE"
+    assert isinstance(a.result, StaleEpochError)
+    assert "passed its deadline before 'publish manifest'" in str(a.result)
+    assert b.result == {"release_id": "r-202", "epoch": 2}
+    assert manifests(engine, "staging") == [("r-202", "build-202", 2, True)]
+    history = store.history("release:staging")
+    assert [(h.epoch, h.purpose, h.end_reason) for h in history] == [
+        (2, "release r-202 of build-202", "released"),
+        (1, "release r-201 of build-201", "expired"),
+    ]
+    runs = store.stale_runs(lease_name="release:staging")
+    # Newest first: renewal found the lease superseded; the publish was refused because A's
+    # own deadline had passed (it never reached the database); the release at the end was
+    # refused as superseded.
+    assert [(run.action, run.reason) for run in runs] == [
+        ("release", "superseded"),
+        ("publish manifest", "expired"),
+        ("renew", "superseded"),
+    ]
+    for run in runs:
+        assert (run.environment, run.enforced) == ("staging", True)
+        assert (run.stale_epoch, run.stale_holder) == (1, start_a.holder)
+        assert (run.current_epoch, run.current_holder) == (2, history[0].holder)
