@@ -363,11 +363,12 @@ class LeaseStore:
     ) -> Acquisition:
         """Take up a lease at the epoch a continuation was published under (see
         ``celery_fence.rejoin`` in the SQL reference): ``outcome`` is ``"joined"`` when the
-        lease is shared with a run still holding it, ``"resumed"`` when this call took it back
-        after a release or expiry with no newer epoch (the caller then releases it when done).
+        lease is shared with a run still holding it (one more sharer), ``"resumed"`` when this
+        call took it over at the next epoch, with a new token and a new hold window, after a
+        release or expiry with no newer epoch. Either way the caller releases it when done.
 
-        Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused or past its
-        maximum hold, or the proof does not match; the database records the stale run."""
+        Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
+        proof does not match; the database records the stale run."""
         try:
             proof_bytes = bytes.fromhex(proof)
         except ValueError as exc:

@@ -1,9 +1,10 @@
-"""The ``celery_fence`` header: continuations run at their publisher's epoch, or not at all.
+"""The ``celery_fence`` header: continuations run under their publisher's lease, or not at all.
 
-Children, canvas members and retries of a fenced run carry its header and take no lease of their
-own. A header whose epoch no longer holds, whose proof does not match, or that cannot be read
-rejects the run before its body: the result is REJECTED, never SUCCESS, and the stale run is
-recorded.
+Children, canvas members and retries of a fenced run carry its header. A continuation on the
+task's own lease shares the publisher's epoch while it is held, or takes the lease over at the
+next epoch once it was released. A header whose epoch was superseded, whose proof does not match,
+or that cannot be read rejects the run before its body: the result is REJECTED, never SUCCESS,
+and the stale run is recorded.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 HOLDER = "release-job@test"
 NAME = "release:prod"
+#: What ran, in which mode, at which epoch.
+Seen = list[tuple[str, str, int | None]]
 
 
 def take(store: LeaseStore, name: str = NAME, holder: str = HOLDER) -> Lease:
@@ -56,8 +59,19 @@ def assert_still_held(store: LeaseStore, epoch: int) -> None:
     assert (owner.epoch, owner.holder, owner.state) == (epoch, HOLDER, "held")
 
 
-@pytest.mark.parametrize(("pool", "concurrency"), [("solo", 1), ("threads", 2)])
-def test_child_runs_at_the_parent_epoch(
+# Each: pool, concurrency, the epoch the child runs at, the epochs in the lease's history.
+CHILD_TIMELINES = [
+    # Solo pool: the parent ended (and released) before the child started, so the child took
+    # the lease over at the next epoch.
+    pytest.param("solo", 1, 2, [2, 1], id="after the parent ended"),
+    # Threads pool: the child started while the parent held the lease and joined it as one more
+    # sharer, so the lease outlived the parent's end.
+    pytest.param("threads", 2, 1, [1], id="while the parent holds"),
+]
+
+
+@pytest.mark.parametrize(("pool", "concurrency", "child_epoch", "epochs"), CHILD_TIMELINES)
+def test_child_on_the_parent_lease_continues_the_run(
     fence: Fence,
     worker: StartWorker,
     store: LeaseStore,
@@ -65,6 +79,8 @@ def test_child_runs_at_the_parent_epoch(
     app: Celery,
     pool: str,
     concurrency: int,
+    child_epoch: int,
+    epochs: list[int],
 ) -> None:
     child_started = threading.Event()
 
@@ -72,52 +88,53 @@ def test_child_runs_at_the_parent_epoch(
     def parent(self: Any, environment: str) -> list[Any]:
         sent = child.delay(environment, self.request.id)
         if concurrency > 1:
-            # Threads pool: the child starts while the parent still holds the lease.
             assert child_started.wait(10)
-        return [fence.current().epoch, sent.id]
+        run = fence.current()
+        assert run.lease is not None
+        return [run.epoch, run.lease.holder, sent.id]
 
-    # The child's own template is not used: the header says which lease it runs under.
-    @fence.task(lease="child:{environment}")
+    # The parent's lease template, filled to the same name: the child continues the run.
+    @fence.task(lease="release:{environment}")
     def child(environment: str, parent_id: str) -> list[Any]:
         run = fence.current()
         assert run.lease is not None
         child_started.set()
-        # Solo pool: the parent ended (and released) before the child started, which took the
-        # lease back. Threads pool: the child shares the lease, which outlives the parent's end.
         wait.until(lambda: app.AsyncResult(parent_id).ready(), what="the parent to end")
         owner = fence.store.owner(NAME)
         assert owner is not None
-        return [run.mode, run.lease.name, run.epoch, run.held, owner.state]
+        return [run.mode, run.lease.name, run.epoch, run.held, owner.epoch, owner.state]
 
     with worker(pool=pool, concurrency=concurrency):
-        epoch, child_id = wait.outcome(parent.delay("prod"))
+        epoch, holder, child_id = wait.outcome(parent.delay("prod"))
         seen = wait.outcome(app.AsyncResult(child_id))
+        # The child releases the lease as its last sharer.
+        wait.until(lambda: store.history(NAME)[0].end_reason, what="the child's release")
 
     assert epoch == 1
-    assert seen == ["resume", NAME, 1, True, "held"]
-    [entry] = store.history(NAME)
-    assert entry.end_reason == "released"
-    assert store.history("child:prod") == []
+    assert seen == ["resume", NAME, child_epoch, True, child_epoch, "held"]
+    history = store.history(NAME)
+    assert [entry.epoch for entry in history] == epochs
+    assert {entry.end_reason for entry in history} == {"released"}
+    # A take-over goes on in the publisher's name, the holder its header carries.
+    assert {entry.holder for entry in history} == {holder}
     assert [owner.name for owner in store.leases()] == [NAME]
+    assert store.stale_runs() == []
 
 
-def canvas_of(kind: str, step: Any, collect: Any) -> Any:
+def canvas_of(kind: str, step: Any, collect: Any, environment: str) -> Any:
     """Three steps as a group, a chain (each link published by the worker after the one before
     it) or a chord (whose callback the worker publishes after the last part)."""
-    steps = [step.si(n) for n in range(3)]
+    steps = [step.si(environment, n) for n in range(3)]
     if kind == "group":
         return group(steps)
     if kind == "chain":
         return chain(*steps)
-    return chord(steps, collect.s())
+    return chord(steps, collect.s(environment))
 
 
-@pytest.mark.parametrize("kind", ["group", "chain", "chord"])
-def test_canvas_members_run_at_the_parent_epoch(
-    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str
-) -> None:
-    seen: list[tuple[str, str, int | None]] = []
-    expected = 4 if kind == "chord" else 3
+def canvas_tasks(fence: Fence, kind: str, seen: Seen, hold: Callable[[], None]) -> Any:
+    """A parent that publishes the canvas of ``kind`` and then calls ``hold``. Its members are
+    on the parent's lease and note in ``seen`` what ran, in which mode, at which epoch."""
 
     def record(what: str) -> None:
         run = fence.current()
@@ -125,29 +142,87 @@ def test_canvas_members_run_at_the_parent_epoch(
 
     @fence.task(lease="release:{environment}")
     def parent(environment: str) -> None:
-        canvas_of(kind, step, collect).delay()
+        canvas_of(kind, step, collect, environment).delay()
+        hold()
 
-    @fence.task(lease="step:{n}")
-    def step(n: int) -> int:
+    @fence.task(lease="release:{environment}")
+    def step(environment: str, n: int) -> int:
         record(f"step {n}")
         return n
 
-    @fence.task(lease="collect")
-    def collect(parts: list[int]) -> None:
+    @fence.task(lease="release:{environment}")
+    def collect(parts: list[int], environment: str) -> None:
         record(f"collect {sorted(parts)}")
 
-    with worker():
-        assert wait.finished(parent.delay("prod")) == states.SUCCESS
+    return parent
+
+
+@pytest.mark.parametrize("kind", ["group", "chain", "chord"])
+def test_canvas_members_started_while_the_parent_holds_share_its_epoch(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str
+) -> None:
+    seen: Seen = []
+    expected = 4 if kind == "chord" else 3
+
+    def hold() -> None:
+        # The parent keeps the lease until every member has started (and joined it).
         wait.until(lambda: len(seen) == expected, what=f"{expected} members of the {kind}")
+
+    parent = canvas_tasks(fence, kind, seen, hold)
+    with worker(pool="threads", concurrency=2):
+        assert wait.finished(parent.delay("prod")) == states.SUCCESS
+        wait.until(lambda: store.history(NAME)[0].end_reason, what="the last sharer's release")
 
     callback = ["collect [0, 1, 2]"] if kind == "chord" else []
     assert sorted(what for what, _, _ in seen) == sorted(["step 0", "step 1", "step 2", *callback])
     assert {(mode, epoch) for _, mode, epoch in seen} == {("resume", 1)}
-    assert [entry.epoch for entry in store.history(NAME)] == [1]
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
     assert [owner.name for owner in store.leases()] == [NAME]
+    assert store.stale_runs() == []
 
 
-def test_retry_resumes_the_same_epoch(
+def test_chain_links_after_the_parent_ended_each_take_the_lease_over(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    seen: Seen = []
+
+    parent = canvas_tasks(fence, "chain", seen, lambda: None)
+    # Solo pool: each link starts after the run before it released the lease, and carries the
+    # header of that run (published by the worker after its body).
+    with worker():
+        assert wait.finished(parent.delay("prod")) == states.SUCCESS
+        wait.until(lambda: len(seen) == 3, what="the three links")
+        wait.until(lambda: store.history(NAME)[0].end_reason, what="the last link's release")
+
+    assert seen == [("step 0", "resume", 2), ("step 1", "resume", 3), ("step 2", "resume", 4)]
+    history = store.history(NAME)
+    assert [entry.epoch for entry in history] == [4, 3, 2, 1]
+    assert {entry.end_reason for entry in history} == {"released"}
+    assert store.stale_runs() == []
+
+
+def test_group_members_after_the_parent_ended_take_it_over_once(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Siblings carry the same header, like two deliveries of one message: the first to start
+    takes the released lease over, the others then find a newer epoch and are rejected."""
+    seen: Seen = []
+
+    parent = canvas_tasks(fence, "group", seen, lambda: None)
+    with worker():
+        assert wait.finished(parent.delay("prod")) == states.SUCCESS
+        wait.until(lambda: len(store.stale_runs()) == 2, what="two siblings to be rejected")
+
+    assert [(mode, epoch) for _, mode, epoch in seen] == [("resume", 2)]
+    stale = store.stale_runs(lease_name=NAME)
+    assert {(run.reason, run.stale_epoch, run.current_epoch) for run in stale} == {
+        ("superseded", 1, 2)
+    }
+    assert [entry.epoch for entry in store.history(NAME)] == [2, 1]
+
+
+def test_retry_after_the_run_ended_takes_the_lease_over(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
     seen: list[tuple[int, str, int | None]] = []
@@ -162,13 +237,20 @@ def test_retry_resumes_the_same_epoch(
 
     with worker():
         assert wait.outcome(publish.delay("prod")) == "published"
+        wait.until(lambda: store.history(NAME)[0].end_reason, what="the retry's release")
 
-    assert seen == [(0, "owner", 1), (1, "resume", 1)]
-    [entry] = store.history(NAME)
-    assert entry.end_reason == "released"
+    # The first run released epoch 1 when it ended; its retry took the lease over at epoch 2.
+    assert seen == [(0, "owner", 1), (1, "resume", 2)]
+    history = store.history(NAME)
+    assert [(entry.epoch, entry.end_reason) for entry in history] == [
+        (2, "released"),
+        (1, "released"),
+    ]
+    assert history[0].holder == history[1].holder
     owner = store.owner(NAME)
     assert owner is not None
-    assert owner.state == "released"
+    assert (owner.epoch, owner.state) == (2, "released")
+    assert store.stale_runs() == []
 
 
 def test_retry_after_another_holder_took_the_lease_is_rejected(

@@ -48,7 +48,8 @@ class FencedRun:
     """One execution of a fenced task: the lease it runs under and how it came by it.
 
     ``mode`` is ``owner`` (this run acquired the lease), ``resume`` (a retry or child of a
-    fenced run, at its publisher's epoch) or ``join`` (a task dispatched by a fenced beat, under
+    fenced run on the same lease, sharing its publisher's epoch or taking the lease over at the
+    next one) or ``join`` (a task dispatched by a fenced beat, under
     the scheduler's epoch). ``lease`` is ``None`` when the run goes ahead without a lease: in
     an environment whose enforcement is ``off``, or in shadow mode when it would have been
     refused; its guards then let the writes through.
@@ -621,9 +622,13 @@ def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
 
 
 def _header_of(request: Any) -> object | None:
+    """The request's header: the one its run set after the body (see ``FencedTask.__call__``)
+    over the one the message brought, which Celery also keeps in ``request.headers``."""
+    value: object | None = getattr(request, HEADER, None)
+    if value is not None:
+        return value
     headers = getattr(request, "headers", None) or {}
-    value: object | None = headers.get(HEADER)
-    return value if value is not None else getattr(request, HEADER, None)
+    return headers.get(HEADER)
 
 
 __all__ = ["REJECTED", "SKIPPED", "Fence", "FencedRun", "FencedTask", "current_run"]

@@ -1,0 +1,181 @@
+"""FencedScheduler instances ticked by the test, without a beat process: who leads, what a
+standby does with due entries, and that a schedule slot is sent at most once.
+
+Each test has an app of its own on the memory transport with a queue of its own, so the messages
+the schedulers send can be counted there; the slots they claimed are rows in
+``celery_fence.dispatches``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+from celery import Celery
+from celery.beat import ScheduleEntry
+
+from celery_fence import LeaseStore
+from celery_fence.contrib.celery import HEADER, Fence
+from celery_fence.contrib.celery.beat import FencedScheduler
+
+ENTRY = "plan-retention"
+#: A period of a day: every slot a test claims falls in the same one.
+PERIOD = timedelta(days=1)
+
+NewScheduler = Callable[[], FencedScheduler]
+
+
+@pytest.fixture
+def app(store: LeaseStore) -> Iterator[Celery]:
+    app = Celery("beat-tests", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        task_default_queue=f"celery-fence-beat-{uuid.uuid4().hex}",
+        # No result backend, so no default cleanup entry beside the test's own.
+        result_expires=None,
+        beat_schedule={ENTRY: {"task": "example.plan_retention", "schedule": PERIOD}},
+    )
+    Fence(app, store=store)
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def scheduler(app: Celery) -> Iterator[NewScheduler]:
+    """Start another scheduler instance of the app (each with a holder of its own)."""
+    started: list[FencedScheduler] = []
+
+    def start() -> FencedScheduler:
+        instance = FencedScheduler(app=app, lazy=False)
+        started.append(instance)
+        return instance
+
+    yield start
+    for instance in started:
+        instance.close()
+
+
+def make_due(scheduler: FencedScheduler) -> ScheduleEntry:
+    """Move the entry's last run two periods back, so that it is due; return it."""
+    entry = scheduler.schedule[ENTRY]
+    due = scheduler.Entry(**dict(entry, last_run_at=entry.last_run_at - 2 * PERIOD))
+    scheduler.schedule[ENTRY] = due
+    return due
+
+
+def queued(app: Celery) -> list[dict[str, object]]:
+    """The headers of the messages waiting in the app's queue (left in it)."""
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        messages = []
+        while queue.qsize():
+            messages.append(queue.get(timeout=1))
+        for message in messages:
+            message.requeue()
+        return [dict(message.headers) for message in messages]
+
+
+def test_a_fresh_scheduler_takes_the_lease_and_sends_a_due_entry(
+    app: Celery, store: LeaseStore, scheduler: NewScheduler
+) -> None:
+    beat = scheduler()
+    make_due(beat)
+
+    assert beat.tick() == 0  # it sent one entry
+
+    assert beat.lease is not None
+    assert (beat.lease.epoch, beat.lease.holder, beat.halted) == (1, beat.holder, None)
+    owner = store.owner(beat.lease_name)
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.state) == (beat.holder, 1, "held")
+    [dispatch] = store.dispatches(beat.lease_name)
+    assert (dispatch.entry, dispatch.epoch, dispatch.holder) == (ENTRY, 1, beat.holder)
+    [headers] = queued(app)
+    fence_header = headers[HEADER]
+    assert isinstance(fence_header, dict)
+    assert (fence_header["lease"], fence_header["epoch"], fence_header["mode"]) == (
+        beat.lease_name,
+        1,
+        "join",
+    )
+
+
+def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_backlog(
+    app: Celery, store: LeaseStore, scheduler: NewScheduler
+) -> None:
+    leader, standby = scheduler(), scheduler()
+    leader.tick()
+    assert leader.lease is not None
+    passed = make_due(standby)
+
+    assert standby.tick() == standby.renew_interval
+
+    assert standby.lease is None
+    entry = standby.schedule[ENTRY]
+    assert entry.last_run_at > passed.last_run_at
+    assert entry.total_run_count == passed.total_run_count + 1
+    assert store.dispatches(leader.lease_name) == []
+    assert queued(app) == []
+
+    # The leader goes; the standby takes over, with nothing due.
+    leader.close()
+    standby.tick()
+    assert standby.lease is not None
+    assert standby.lease.epoch == 2
+    assert store.dispatches(standby.lease_name) == []
+    assert queued(app) == []
+
+
+def test_a_slot_is_claimed_and_sent_at_most_once_across_instances(
+    app: Celery,
+    store: LeaseStore,
+    scheduler: NewScheduler,
+    expire_lease: Callable[[str], None],
+) -> None:
+    first, second = scheduler(), scheduler()
+    make_due(first)
+    first.tick()
+    assert len(queued(app)) == 1
+    # The first instance's epoch ends in the database while it still trusts its lease.
+    expire_lease(first.lease_name)
+
+    make_due(second)
+    assert second.tick() == 0  # took the lease, found the slot taken, sent nothing
+    assert second.lease is not None
+    assert second.lease.epoch == 2
+
+    # The first instance, unaware, dispatches the same slot again: its claim is rejected.
+    first.apply_async(make_due(first))
+
+    assert (first.lease, first.halted) == (None, None)
+    [dispatch] = store.dispatches(first.lease_name)
+    assert (dispatch.epoch, dispatch.holder) == (1, first.holder)
+    assert len(queued(app)) == 1
+    [stale] = store.stale_runs(lease_name=first.lease_name)
+    assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
+
+
+def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_expires(
+    app: Celery,
+    store: LeaseStore,
+    scheduler: NewScheduler,
+    expire_lease: Callable[[str], None],
+) -> None:
+    beat = scheduler()
+    # The database granted this instance the lease, but the answer never reached it.
+    lost = store.acquire(beat.lease_name, holder=beat.holder, ttl=60)
+    assert lost.lease is not None
+    make_due(beat)
+
+    assert beat.tick() == beat.renew_interval
+
+    assert (beat.lease, beat.halted) == (None, None)
+    assert store.dispatches(beat.lease_name) == []
+    assert queued(app) == []
+
+    expire_lease(beat.lease_name)
+    beat.tick()
+    assert beat.lease is not None
+    assert (beat.lease.epoch, beat.halted) == (2, None)

@@ -1,0 +1,407 @@
+"""Which lease a run continues, and what bounds a holder that stops or loses its database.
+
+A ``resume`` header counts only for the task's own lease; taking a lease that ended over is a
+new epoch, so a stalled earlier delivery of the same work is superseded; runs dispatched by beat
+pass no header on, and plain tasks pass on only ``resume`` headers. A fenced write's transaction
+may not idle past its lease's expiry, nor run in autocommit; the keeper rides out any error but
+a definite "not yours" until the lease's deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery, states
+from sqlalchemy.engine import Engine
+
+from celery_fence import (
+    Acquisition,
+    ConfigurationError,
+    Lease,
+    LeaseLostError,
+    LeaseStore,
+    StaleEpochError,
+)
+from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FenceHeader
+from celery_fence.keeper import LeaseKeeper
+from celery_fence.store import Mode
+
+if TYPE_CHECKING:
+    from conftest import StartWorker, Wait
+
+NAME = "release:prod"
+HOLDER = "release-job@test"
+OTHER = "notify:prod"
+
+INSERT = sa.text("INSERT INTO manifest VALUES (:environment, :release)")
+IDLE_TIMEOUT = sa.text(
+    # The setting in milliseconds, without the unit SHOW would round it to.
+    "SELECT setting::int FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+)
+
+
+def take(store: LeaseStore, name: str = NAME, holder: str = HOLDER, ttl: float = 60) -> Lease:
+    got = store.acquire(name, holder=holder, ttl=ttl, environment="default")
+    assert got.lease is not None, got
+    return got.lease
+
+
+def continue_under(store: LeaseStore, header: FenceHeader) -> Acquisition:
+    """Take up the lease as a task delivered with ``header`` does."""
+    return store.rejoin(
+        header.lease,
+        epoch=header.epoch,
+        holder=header.holder,
+        mode=header.mode,
+        proof=header.proof,
+        ttl=60,
+        action="start publish",
+    )
+
+
+def received_header(request: Any) -> object | None:
+    """The header the task's message brought."""
+    return (request.headers or {}).get(HEADER)
+
+
+@pytest.fixture
+def manifest(engine: Engine) -> Engine:
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE manifest (environment text, release int)")
+    return engine
+
+
+def manifest_rows(engine: Engine) -> list[tuple[str, int]]:
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT environment, release FROM manifest ORDER BY release")
+        return [(str(environment), int(release)) for environment, release in rows]
+
+
+# -- which lease a continuation runs under --------------------------------------------------
+
+
+@pytest.mark.parametrize("other_lease", ["free", "held"])
+def test_child_on_another_lease_takes_a_lease_of_its_own(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, app: Celery, other_lease: str
+) -> None:
+    @fence.task(lease="release:{environment}")
+    def parent(environment: str) -> str:
+        return str(child.delay(environment).id)
+
+    @fence.task(lease="notify:{environment}", on_busy="skip", bind=True)
+    def child(self: Any, environment: str) -> list[Any]:
+        run = fence.current()
+        assert run.lease is not None
+        header = received_header(self.request)
+        assert isinstance(header, dict)
+        return [header["lease"], run.mode, run.lease.name, run.epoch, run.lease.holder]
+
+    if other_lease == "held":
+        take(store, OTHER, holder="notifier@test")
+    with worker():
+        result = app.AsyncResult(wait.outcome(parent.delay("prod")))
+        state = wait.finished(result)
+
+    # The parent's lease saw one run; the child's header did not make it share or take that one.
+    [parent_epoch] = store.history(NAME)
+    assert (parent_epoch.epoch, parent_epoch.end_reason) == (1, "released")
+    assert store.stale_runs() == []
+    if other_lease == "free":
+        assert state == states.SUCCESS
+        header_lease, mode, name, epoch, holder = result.result
+        assert (header_lease, mode, name, epoch) == (NAME, "owner", OTHER, 1)
+        assert holder.startswith(f"{child.name}[{result.id}]")
+        [entry] = store.history(OTHER)
+        assert (entry.holder, entry.end_reason) == (holder, "released")
+    else:
+        # The normal busy policy applies to the child's own lease.
+        assert state == SKIPPED
+        assert (result.info["lease"], result.info["reason"]) == (OTHER, "held")
+        assert result.info["owner_holder"] == "notifier@test"
+        assert [entry.holder for entry in store.history(OTHER)] == ["notifier@test"]
+
+
+@pytest.mark.parametrize("lease_ends", ["released", "expired"])
+def test_a_continuation_takes_an_ended_lease_over_and_the_stalled_run_is_superseded(
+    store: LeaseStore,
+    manifest: Engine,
+    expire_lease: Callable[[str], None],
+    lease_ends: str,
+) -> None:
+    """Two deliveries of one message: the first stalls, its lease ends, the second takes the
+    lease over. The first can then neither renew nor write, and the same header is spent."""
+    first = take(store)
+    header = FenceHeader.for_lease(first, "resume")
+    if lease_ends == "released":
+        store.release(first)
+    else:
+        expire_lease(NAME)
+
+    got = continue_under(store, header)
+
+    assert got.outcome == "resumed"
+    assert got.lease is not None
+    second = got.lease
+    assert (second.name, second.epoch, second.holder) == (NAME, 2, HOLDER)
+    assert second.token != first.token
+    history = store.history(NAME)
+    assert [(entry.epoch, entry.end_reason) for entry in history] == [(2, None), (1, lease_ends)]
+
+    with pytest.raises(LeaseLostError) as renewal:
+        store.renew(first)
+    assert (renewal.value.reason, renewal.value.epoch) == ("superseded", 1)
+    assert renewal.value.owner is not None
+    assert renewal.value.owner.epoch == 2
+    with (
+        pytest.raises(StaleEpochError) as write,
+        manifest.begin() as conn,
+        store.guard(first, conn, action="publish manifest"),
+    ):
+        conn.execute(INSERT, {"environment": "prod", "release": 1})
+    assert (write.value.reason, write.value.epoch) == ("superseded", 1)
+    with pytest.raises(LeaseLostError) as again:
+        continue_under(store, header)
+    assert again.value.reason == "superseded"
+
+    with manifest.begin() as conn, store.guard(second, conn, action="publish manifest"):
+        conn.execute(INSERT, {"environment": "prod", "release": 2})
+    assert manifest_rows(manifest) == [("prod", 2)]
+    stale = {(run.action, run.reason, run.stale_epoch) for run in store.stale_runs()}
+    assert stale == {
+        ("renew", "superseded", 1),
+        ("publish manifest", "superseded", 1),
+        ("start publish", "superseded", 1),
+    }
+
+
+def test_a_continuation_while_held_joins_and_the_last_sharer_releases(store: LeaseStore) -> None:
+    first = take(store)
+
+    got = continue_under(store, FenceHeader.for_lease(first, "resume"))
+
+    assert got.outcome == "joined"
+    assert got.lease is not None
+    assert (got.lease.epoch, got.lease.token) == (first.epoch, first.token)
+    store.release(first)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "held")
+    store.release(got.lease)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "released")
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+
+
+def test_a_run_dispatched_by_beat_passes_no_header_on(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    seen: list[list[Any]] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        notify.delay("body")
+
+    @fence.task(lease="notify:{label}", bind=True)
+    def notify(self: Any, label: str) -> None:
+        run = fence.current()
+        assert run.lease is not None
+        seen.append([label, received_header(self.request), run.mode, run.lease.name, run.epoch])
+
+    beat = take(store, "scheduler:test", holder="beat@test")
+    header = FenceHeader.for_lease(beat, "join").to_message()
+    with worker():
+        # A child published in the body, and a link the worker publishes after it.
+        result = tick.apply_async(headers={HEADER: header}, link=notify.si("link"))
+        assert wait.finished(result) == states.SUCCESS
+        wait.until(lambda: len(seen) == 2, what="the child and the link")
+
+    assert sorted(seen) == [
+        ["body", None, "owner", "notify:body", 1],
+        ["link", None, "owner", "notify:link", 1],
+    ]
+    owner = store.owner("scheduler:test")
+    assert owner is not None
+    assert (owner.epoch, owner.holder, owner.state) == (1, "beat@test", "held")
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("mode", ["resume", "join"])
+def test_a_plain_task_passes_on_resume_headers_only(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, mode: Mode
+) -> None:
+    seen: list[list[Any]] = []
+
+    @app.task(shared=False)
+    def relay(environment: str) -> None:
+        publish.delay(environment)
+
+    @fence.task(lease="release:{environment}", bind=True)
+    def publish(self: Any, environment: str) -> None:
+        run = fence.current()
+        seen.append([received_header(self.request), run.mode, run.epoch])
+
+    held = take(store, NAME if mode == "resume" else "scheduler:test")
+    header = FenceHeader.for_lease(held, mode).to_message()
+    with worker():
+        relay.apply_async(("prod",), headers={HEADER: header})
+        wait.until(lambda: seen, what="the fenced task the plain one published")
+
+    [entry] = store.history(NAME)
+    if mode == "resume":
+        # It joined the held lease it continues, and left it held.
+        assert seen == [[header, "resume", 1]]
+        assert (entry.holder, entry.end_reason) == (HOLDER, None)
+    else:
+        # It took the lease itself.
+        assert seen == [[None, "owner", 1]]
+        assert entry.holder.startswith(f"{publish.name}[")
+        assert entry.end_reason == "released"
+    assert store.stale_runs() == []
+
+
+# -- a fenced write's transaction -----------------------------------------------------------
+
+
+def idle_timeouts(store: LeaseStore, lease: Lease, engine: Engine) -> list[int]:
+    """``idle_in_transaction_session_timeout`` before a guarded transaction, inside it once the
+    guard's check ran, and after it, on one connection."""
+    with engine.connect() as conn:
+        seen = [conn.execute(IDLE_TIMEOUT).scalar_one()]
+        conn.commit()
+        with conn.begin():
+            with store.guard(lease, conn, action="publish manifest"):
+                conn.execute(INSERT, {"environment": "prod", "release": 1})
+            seen.append(conn.execute(IDLE_TIMEOUT).scalar_one())
+        seen.append(conn.execute(IDLE_TIMEOUT).scalar_one())
+    return seen
+
+
+def test_the_fence_check_bounds_the_idle_time_of_its_transaction_by_the_lease(
+    store: LeaseStore, manifest: Engine
+) -> None:
+    lease = take(store, ttl=30)
+
+    before, inside, after = idle_timeouts(store, lease, manifest)
+
+    # The lease's remaining time, for the rest of the transaction only.
+    assert 20_000 < inside <= 30_000
+    assert after == before != inside
+    assert manifest_rows(manifest) == [("prod", 1)]
+
+
+def test_with_an_injected_clock_the_fence_check_leaves_the_idle_timeout_alone(
+    fake_store: LeaseStore, manifest: Engine
+) -> None:
+    lease = take(fake_store, ttl=30)
+
+    before, inside, after = idle_timeouts(fake_store, lease, manifest)
+
+    assert before == inside == after
+    assert manifest_rows(manifest) == [("prod", 1)]
+
+
+def test_a_writer_stopped_before_commit_loses_its_session_at_the_lease_expiry(
+    store: LeaseStore, manifest: Engine
+) -> None:
+    lease = take(store, ttl=2)
+    with manifest.connect() as conn:
+        transaction = conn.begin()
+        with store.guard(lease, conn, action="publish manifest"):
+            conn.execute(INSERT, {"environment": "prod", "release": 1})
+        # The writer stops between the check and its COMMIT, holding the lease row FOR SHARE,
+        # until past the lease's expiry: the server ends its session, which frees the row.
+        time.sleep(2.5)
+        successor = store.acquire(NAME, holder="successor@test", ttl=30)
+        with pytest.raises(sa.exc.DBAPIError, match="idle-in-transaction timeout"):
+            transaction.commit()
+
+    assert successor.lease is not None, successor
+    assert successor.lease.epoch == 2
+    assert manifest_rows(manifest) == []
+    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [
+        (2, None),
+        (1, "expired"),
+    ]
+
+
+def test_guard_refuses_an_autocommit_connection_before_the_body(
+    store: LeaseStore, manifest: Engine
+) -> None:
+    lease = take(store)
+    conn = manifest.connect().execution_options(isolation_level="AUTOCOMMIT")
+    with (
+        conn,
+        pytest.raises(ConfigurationError, match="autocommit"),
+        store.guard(lease, conn, action="publish manifest"),
+    ):
+        # In autocommit this would commit at once, whatever the check said after it.
+        conn.execute(INSERT, {"environment": "prod", "release": 1})
+
+    assert manifest_rows(manifest) == []
+    assert store.stale_runs() == []
+    assert store.metrics.get("guard.committed") == 0
+
+
+# -- the keeper -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_lease(store: LeaseStore) -> Callable[[float], Lease]:
+    """A held lease whose holder trusts it for only ``seconds`` more."""
+
+    def make(seconds: float) -> Lease:
+        return dataclasses.replace(take(store), deadline=time.monotonic() + seconds)
+
+    return make
+
+
+def test_keeper_rides_out_an_unexpected_error_until_the_deadline(
+    short_lease: Callable[[float], Lease],
+) -> None:
+    lease = short_lease(1.0)
+    calls: list[float] = []
+
+    def refresh(current: Lease) -> Lease:
+        calls.append(time.monotonic())
+        raise RuntimeError("the renewal connection broke")
+
+    with LeaseKeeper(lease, refresh, interval=0.05) as keeper:
+        assert keeper.lost.wait(5)
+        lost_at = time.monotonic()
+
+    assert lost_at >= lease.deadline
+    assert len(calls) >= 2
+    assert keeper.error is not None
+    assert (keeper.error.reason, keeper.error.epoch) == ("expired", 1)
+    assert "the renewal connection broke" in str(keeper.error)
+
+
+def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
+    store: LeaseStore, short_lease: Callable[[float], Lease], wait: Wait
+) -> None:
+    lease = short_lease(3)
+    calls: list[float] = []
+
+    def refresh(current: Lease) -> Lease:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            raise RuntimeError("the renewal connection broke")
+        return store.renew(current)
+
+    with LeaseKeeper(lease, refresh, interval=0.05) as keeper:
+        wait.until(lambda: keeper.lease is not lease, what="a renewal")
+        renewed = keeper.lease
+        assert keeper.held
+
+    assert len(calls) >= 3
+    assert keeper.error is None
+    assert not keeper.lost.is_set()
+    assert (renewed.epoch, renewed.token) == (lease.epoch, lease.token)
+    assert renewed.deadline > lease.deadline
