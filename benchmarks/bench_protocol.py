@@ -5,18 +5,21 @@
 Creates a scratch database (``bench_...``) on the server, installs celery-fence there, and
 drops it at the end. Each round runs every single-connection variant once, in a shuffled
 order, so that the machine's noise falls on all of them alike; every ``--race-every`` rounds,
-32 threads (each on its own connection) race for one free lease behind a barrier: through
-``LeaseStore.acquire``, calling ``celery_fence.acquire()`` directly, and with the raw
-one-statement acquisition; and they ask at once for a lease someone else holds (the machine's
-own floor for 32 simultaneous requests). It
-prints medians and p99s, the ratios the protocol promises with PASS or MISS, and where the
-library's time goes; with ``--check`` a miss makes the exit status non-zero.
+32 threads of this process (each on its own connection) race for one free lease behind a
+barrier: through ``LeaseStore.acquire``, calling ``celery_fence.acquire()`` directly, and with
+the raw one-statement acquisition; and they ask at once for a lease someone else holds (the
+floor for 32 simultaneous requests from one interpreter). 32 processes, each with a
+``LeaseStore`` of its own, run the same two races through ``LeaseStore.acquire``, free of
+this process's interpreter lock. It prints medians and p99s, the ratios the protocol promises
+with PASS or MISS, and where the library's time goes; with ``--check`` a miss makes the exit
+status non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -25,21 +28,24 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import date
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
 from celery_fence import Lease, LeaseStore
-from celery_fence.store import engine_from_url
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 CONTENDERS = 32
 HOLDER = "bench@host-a"
+HELD = "bench:held"
+# How long a process contender, or this process, waits at a barrier before giving up: long
+# enough for 32 interpreters to start on two cores.
+BARRIER_TIMEOUT = 120.0
 T = TypeVar("T")
 
 SETUP = """
@@ -88,13 +94,18 @@ LABELS = {
     "lib_lose": "LeaseStore.acquire, losing (lease held)",
     "unguarded": "transaction: UPDATE one row + commit (SQLAlchemy)",
     "guarded": "the same transaction under store.guard (SQLAlchemy)",
-    "race_library_win": f"LeaseStore.acquire, {CONTENDERS} contenders: the winner",
-    "race_library_lose": f"LeaseStore.acquire, {CONTENDERS} contenders: the losers",
-    "race_sql_win": f"celery_fence.acquire(), {CONTENDERS} contenders: the winner",
-    "race_sql_lose": f"celery_fence.acquire(), {CONTENDERS} contenders: the losers",
-    "race_raw_win": f"raw one-statement acquire, {CONTENDERS} contenders: the winner",
-    "race_raw_lose": f"raw one-statement acquire, {CONTENDERS} contenders: the losers",
-    "race_held_lose": f"LeaseStore.acquire, {CONTENDERS} at once on a held lease (no lock)",
+    "race_library_win": f"LeaseStore.acquire, {CONTENDERS} threads: the winner",
+    "race_library_lose": f"LeaseStore.acquire, {CONTENDERS} threads: the losers",
+    "race_sql_win": f"celery_fence.acquire(), {CONTENDERS} threads: the winner",
+    "race_sql_lose": f"celery_fence.acquire(), {CONTENDERS} threads: the losers",
+    "race_raw_win": f"raw one-statement acquire, {CONTENDERS} threads: the winner",
+    "race_raw_lose": f"raw one-statement acquire, {CONTENDERS} threads: the losers",
+    "race_held_lose": f"LeaseStore.acquire, {CONTENDERS} threads on a held lease (no lock)",
+    "race_process_win": f"LeaseStore.acquire, {CONTENDERS} processes: the winner",
+    "race_process_lose": f"LeaseStore.acquire, {CONTENDERS} processes: the losers",
+    "race_process_held_lose": (
+        f"LeaseStore.acquire, {CONTENDERS} processes on a held lease (no lock)"
+    ),
 }
 
 
@@ -112,8 +123,15 @@ TARGETS = (
     Target("losing acquire / winning acquire", "lib_lose", "lib_win", 0.70),
     Target("guarded transaction / unguarded transaction", "guarded", "unguarded", 1.35),
     Target(
-        f"{CONTENDERS} contenders: losers' p99 / uncontended acquire",
+        f"{CONTENDERS} contender threads: losers' p99 / uncontended acquire",
         "race_library_lose",
+        "lib_win",
+        5.0,
+        use_p99=True,
+    ),
+    Target(
+        f"{CONTENDERS} contender processes: losers' p99 / uncontended acquire",
+        "race_process_lose",
         "lib_win",
         5.0,
         use_p99=True,
@@ -121,7 +139,11 @@ TARGETS = (
 )
 
 Samples = dict[str, list[float]]
-RACES = ["library", "sql", "raw", "held"]
+THREAD_RACES = ("library", "sql", "raw", "held")
+# The races of the process contenders, and the lease each is run on.
+PROCESS_RACES = {"process": "bench:race-process", "process_held": HELD}
+ON_HELD = frozenset({"held", "process_held"})
+STOP = -1
 
 
 def conninfo(url: URL) -> str:
@@ -139,7 +161,7 @@ class Bench:
         self.store.install()
         self.engine = self.store.engine
         self.samples: Samples = {key: [] for key in LABELS}
-        self.held = self._take("bench:held", "bench@host-b")
+        self.held = self._take(HELD, "bench@host-b")
         self.guard_lease = self._take("bench:guard", HOLDER)
 
     def _take(self, name: str, holder: str) -> Lease:
@@ -158,6 +180,15 @@ class Bench:
 
     def expire_raw_race(self) -> None:
         self.raw.execute(EXPIRE_RAW, ("bench:race-raw",))
+
+    def record(self, kind: str, outcomes: Sequence[tuple[float, bool]]) -> None:
+        """Keep one race's timings, each contender's as a win or a loss. On a free lease exactly
+        one contender must win; on a held one, none."""
+        winners = sum(won for _, won in outcomes)
+        expected = 0 if kind in ON_HELD else 1
+        assert winners == expected, f"{winners} contenders won a {kind} race"
+        for seconds, won in outcomes:
+            self.samples[f"race_{kind}_{'win' if won else 'lose'}"].append(seconds)
 
     # -- the variants: each times one call and resets what it needs untimed --------------------
 
@@ -187,9 +218,7 @@ class Bench:
         self.store.release(got.lease)
 
     def library_lose(self) -> None:
-        got = self.timed(
-            "lib_lose", lambda: self.store.acquire("bench:held", holder=HOLDER, ttl=60)
-        )
+        got = self.timed("lib_lose", lambda: self.store.acquire(HELD, holder=HOLDER, ttl=60))
         assert got.outcome == "held", got
 
     def unguarded(self) -> None:
@@ -223,43 +252,54 @@ class Bench:
 
     def close(self) -> None:
         self.raw.close()
-        self.engine.dispose()
+        self.store.dispose()
+
+
+def contender_store(url: str) -> LeaseStore:
+    """A racer's store: its protocol calls on one connection of its own, opened before anything
+    is timed."""
+    store = LeaseStore.from_url(url, pool_size=1)
+    store.owner(HELD)
+    return store
+
+
+def timed_acquire(
+    store: LeaseStore, name: str, holder: str, go: threading.Barrier
+) -> tuple[float, Lease | None]:
+    """Wait at ``go`` with the other racers, then time ``store.acquire`` alone."""
+    go.wait()
+    started = time.perf_counter()
+    got = store.acquire(name, holder=holder, ttl=60)
+    return time.perf_counter() - started, got.lease
 
 
 class Contender(threading.Thread):
-    """One racer on a connection of its own (a one-connection pool), reused for every race:
-    through the library, or sending SQL on that same connection through psycopg alone."""
+    """One racer on a connection of its own, reused for every race: through the library, or
+    sending SQL on that same connection through psycopg alone."""
 
     def __init__(self, race: Race, index: int) -> None:
         super().__init__(daemon=True)
         self.race = race
         self.holder = f"contender-{index}"
-        url = race.bench.url.render_as_string(hide_password=False)
-        self.store = LeaseStore(engine_from_url(url, pool_size=1, max_overflow=0))
-        self.store.owner("bench:race")  # connect before anything is timed
+        self.store = contender_store(race.bench.url.render_as_string(hide_password=False))
         self.seconds = 0.0
         self.won: Callable[[], None] | None = None
 
     def library(self, name: str) -> None:
-        self.race.go.wait()
-        started = time.perf_counter()
-        got = self.store.acquire(name, holder=self.holder, ttl=60)
-        self.seconds = time.perf_counter() - started
-        lease = got.lease
+        self.seconds, lease = timed_acquire(self.store, name, self.holder, self.race.go)
         self.won = None if lease is None else lambda: self.store.release(lease)
 
     def on_driver(self, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:
-        """Run ``query`` through psycopg alone on this contender's connection, timed."""
-        pooled = self.store.engine.raw_connection()
+        """Run ``query`` through psycopg alone on this contender's (autocommit) connection,
+        timed."""
+        pooled = self.store.protocol_engine.raw_connection()
         try:
             connection = pooled.driver_connection
             assert isinstance(connection, psycopg.Connection)
-            connection.autocommit = True
             self.race.go.wait()
             started = time.perf_counter()
             row: tuple[object, ...] | None = connection.execute(query, params).fetchone()
             self.seconds = time.perf_counter() - started
-            connection.autocommit = False
         finally:
             pooled.close()
         return row
@@ -282,7 +322,7 @@ class Contender(threading.Thread):
     def run(self) -> None:
         races = {
             "library": lambda: self.library("bench:race"),
-            "held": lambda: self.library("bench:held"),
+            "held": lambda: self.library(HELD),
             "sql": self.sql,
             "raw": self.raw,
         }
@@ -295,7 +335,7 @@ class Contender(threading.Thread):
 
 
 class Race:
-    """``CONTENDERS`` threads released by a barrier onto one lease."""
+    """``CONTENDERS`` threads of this process released by a barrier onto one lease."""
 
     def __init__(self, bench: Bench) -> None:
         self.bench = bench
@@ -310,32 +350,116 @@ class Race:
     def run(self, kind: str) -> None:
         """One race of ``kind``. On a free lease ("library", "sql", "raw") exactly one wins
         and then gives the lease up (untimed) so that the next race starts on a free lease. On
-        a lease someone else holds ("held") nobody wins and nobody waits for a lock: what the
-        machine alone makes of 32 simultaneous requests."""
+        a lease someone else holds ("held") nobody wins and nobody waits for a lock: what one
+        interpreter on this machine makes of 32 simultaneous requests."""
         self.kind = kind
         self.start.wait()
         self.done.wait()
-        winners = [contender for contender in self.contenders if contender.won is not None]
-        assert len(winners) == (kind != "held"), f"{len(winners)} contenders won a {kind} race"
+        self.bench.record(
+            kind, [(contender.seconds, contender.won is not None) for contender in self.contenders]
+        )
         for contender in self.contenders:
-            outcome = "win" if contender.won is not None else "lose"
-            self.bench.samples[f"race_{kind}_{outcome}"].append(contender.seconds)
-        for winner in winners:
-            release = winner.won
-            assert release is not None
-            release()
+            if contender.won is not None:
+                contender.won()
 
     def close(self) -> None:
         self.kind = "stop"
         self.start.wait()
         for contender in self.contenders:
             contender.join()
-            contender.store.engine.dispose()
+            contender.store.dispose()
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the process contenders share with this process: which race comes next
+    (``STOP``: none), the barriers of :class:`Race` and one more among the contenders (every
+    one has its answer, so the winner may give the lease up), and each contender's timing
+    and win."""
+
+    kind: Any
+    start: threading.Barrier
+    go: threading.Barrier
+    answered: threading.Barrier
+    done: threading.Barrier
+    seconds: Any
+    won: Any
+
+
+def process_contender(url: str, index: int, signals: Signals) -> None:
+    """One racer in a process of its own, with its own ``LeaseStore``: it waits for each race,
+    times its acquisition, and gives a lease it won up (untimed) once every racer has had its
+    answer, before the race ends."""
+    store = contender_store(url)
+    holder = f"process-{index}"
+    names = list(PROCESS_RACES.values())
+    signals.done.wait()  # connected
+    try:
+        while True:
+            signals.start.wait()
+            if signals.kind.value == STOP:
+                return
+            seconds, lease = timed_acquire(store, names[signals.kind.value], holder, signals.go)
+            signals.seconds[index] = seconds
+            signals.won[index] = lease is not None
+            signals.answered.wait()
+            if lease is not None:
+                store.release(lease)
+            signals.done.wait()
+    finally:
+        store.dispose()
+
+
+class ProcessRace:
+    """``CONTENDERS`` processes released by a barrier onto one lease: the same contention as
+    :class:`Race`, without one interpreter lock over every contender."""
+
+    def __init__(self, bench: Bench) -> None:
+        self.bench = bench
+        context = multiprocessing.get_context("spawn")
+        self.signals = Signals(
+            kind=context.Value("i", STOP, lock=False),
+            start=context.Barrier(CONTENDERS + 1, timeout=BARRIER_TIMEOUT),
+            go=context.Barrier(CONTENDERS, timeout=BARRIER_TIMEOUT),
+            answered=context.Barrier(CONTENDERS, timeout=BARRIER_TIMEOUT),
+            done=context.Barrier(CONTENDERS + 1, timeout=BARRIER_TIMEOUT),
+            seconds=context.Array("d", CONTENDERS, lock=False),
+            won=context.Array("b", CONTENDERS, lock=False),
+        )
+        url = bench.url.render_as_string(hide_password=False)
+        self.processes = [
+            context.Process(target=process_contender, args=(url, index, self.signals), daemon=True)
+            for index in range(CONTENDERS)
+        ]
+        for process in self.processes:
+            process.start()
+        self.signals.done.wait()  # every contender has connected
+
+    def run(self, kind: str) -> None:
+        """One race of ``kind`` ("process" on a free lease, "process_held" on a held one)."""
+        self.signals.kind.value = list(PROCESS_RACES).index(kind)
+        self.signals.start.wait()
+        self.signals.done.wait()
+        self.bench.record(
+            kind,
+            [(self.signals.seconds[i], bool(self.signals.won[i])) for i in range(CONTENDERS)],
+        )
+
+    def close(self) -> None:
+        self.signals.kind.value = STOP
+        self.signals.start.wait()
+        for process in self.processes:
+            process.join()
 
 
 def measure(url: URL, rounds: int, warmup: int, race_every: int) -> Samples:
     bench = Bench(url)
-    race = Race(bench)
+    processes = ProcessRace(bench)
+    threads = Race(bench)
+    races: list[tuple[Callable[[str], None], str]] = [
+        *((threads.run, kind) for kind in THREAD_RACES),
+        *((processes.run, kind) for kind in PROCESS_RACES),
+    ]
     order = random.Random(0)
     variants = bench.variants()
     try:
@@ -347,11 +471,12 @@ def measure(url: URL, rounds: int, warmup: int, race_every: int) -> Samples:
             for variant in variants:
                 variant()
             if round_number % race_every == 0:
-                for kind in order.sample(RACES, len(RACES)):
-                    race.run(kind)
+                for run, kind in order.sample(races, len(races)):
+                    run(kind)
         return bench.samples
     finally:
-        race.close()
+        threads.close()
+        processes.close()
         bench.close()
 
 
@@ -397,12 +522,13 @@ def report(samples: Samples) -> bool:
         f"{ms(statistics.median(first))} / {ms(statistics.median(last))} ms"
     )
     for label, key, base in (
-        ("calling celery_fence.acquire() directly", "race_sql_lose", "sql_win"),
-        ("with the raw one-statement acquire", "race_raw_lose", "raw"),
-        ("on a held lease (nobody waits for a lock)", "race_held_lose", "lib_win"),
+        ("threads calling celery_fence.acquire() directly", "race_sql_lose", "sql_win"),
+        ("threads with the raw one-statement acquire", "race_raw_lose", "raw"),
+        ("threads on a held lease (no lock to wait for)", "race_held_lose", "lib_win"),
+        ("processes on a held lease (no lock to wait for)", "race_process_held_lose", "lib_win"),
     ):
         ratio = p99(samples[key]) / median[base]
-        print(f"  {CONTENDERS} contenders {label}: losers' p99 / uncontended = {ratio:.2f}")
+        print(f"  {CONTENDERS} {label}: losers' p99 / uncontended = {ratio:.2f}")
     return met
 
 

@@ -341,7 +341,7 @@ def print_breakdown(latency: Samples, timings: Samples) -> None:
         ("  the body's transaction (fenced: under fence.guard)", body["plain"], body["fenced"]),
         ("  LeaseStore.acquire", 0.0, acquire),
         ("  LeaseStore.release", 0.0, release),
-        ("  starting and stopping the renewal thread (LeaseKeeper)", 0.0, start + stop),
+        ("  starting and stopping the LeaseKeeper", 0.0, start + stop),
         (
             "  the rest (Celery's tracing and result; fenced: run bookkeeping)",
             worker["plain"] - body["plain"],

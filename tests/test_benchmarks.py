@@ -44,7 +44,7 @@ def test_the_protocol_benchmark_measures_every_target(database_url: str) -> None
         "10",
     )
     names = [match["name"] for match in targets]
-    assert len(names) == 4, names
+    assert len(names) == 5, names
     assert all(float(match["ratio"]) > 0 for match in targets)
 
 
