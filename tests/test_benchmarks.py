@@ -11,15 +11,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 TARGET = re.compile(
     r"^(?P<name>.+?)\s+(?P<ratio>\d+\.\d+)\s+(?P<limit>[<>=]*\d+(\.\d+)?)\s+(PASS|MISS)$"
 )
 
 
-def run_benchmark(script: str, *args: str) -> list[re.Match[str]]:
+@pytest.mark.parametrize(
+    ("script", "options", "targets"),
+    [
+        (
+            "benchmarks/bench_protocol.py",
+            ["--rounds", "20", "--warmup", "2", "--race-every", "10"],
+            5,
+        ),
+        (
+            "benchmarks/bench_tasks.py",
+            ["--tasks", "20", "--batch", "5", "--rounds", "1", "--warmup", "2"],
+            2,
+        ),
+    ],
+)
+def test_the_benchmark_measures_every_target(
+    database_url: str, script: str, options: list[str], targets: int
+) -> None:
+    server = database_url.rsplit("/", 1)[0] + "/postgres"
     done = subprocess.run(
-        [sys.executable, str(REPO / script), *args],
+        [sys.executable, str(REPO / script), "--database-url", server, *options],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -27,41 +47,6 @@ def run_benchmark(script: str, *args: str) -> list[re.Match[str]]:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return [m for line in done.stdout.splitlines() if (m := TARGET.match(line.strip()))]
-
-
-def test_the_protocol_benchmark_measures_every_target(database_url: str) -> None:
-    server = database_url.rsplit("/", 1)[0] + "/postgres"
-    targets = run_benchmark(
-        "benchmarks/bench_protocol.py",
-        "--database-url",
-        server,
-        "--rounds",
-        "20",
-        "--warmup",
-        "2",
-        "--race-every",
-        "10",
-    )
-    names = [match["name"] for match in targets]
-    assert len(names) == 5, names
-    assert all(float(match["ratio"]) > 0 for match in targets)
-
-
-def test_the_task_benchmark_measures_every_target(database_url: str) -> None:
-    server = database_url.rsplit("/", 1)[0] + "/postgres"
-    targets = run_benchmark(
-        "benchmarks/bench_tasks.py",
-        "--database-url",
-        server,
-        "--tasks",
-        "20",
-        "--batch",
-        "5",
-        "--rounds",
-        "1",
-        "--warmup",
-        "2",
-    )
-    assert len(targets) == 2, [match["name"] for match in targets]
-    assert all(float(match["ratio"]) > 0 for match in targets)
+    found = [m for line in done.stdout.splitlines() if (m := TARGET.match(line.strip()))]
+    assert len(found) == targets, [match["name"] for match in found]
+    assert all(float(match["ratio"]) > 0 for match in found)
