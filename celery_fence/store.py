@@ -174,7 +174,6 @@ class LeaseStore:
             max_overflow=pool_size,
         )
         weakref.finalize(self, self.protocol_engine.dispose)
-        self._queries = {name: sa.text(sql) for name, sql in _sql.queries().items()}
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
         }
@@ -220,8 +219,9 @@ class LeaseStore:
                 conn.exec_driver_sql(
                     _sql.install_script(), execution_options={"no_parameters": True}
                 )
-                return int(conn.execute(self._queries["schema_version"]).scalar_one())
-        except sa.exc.DBAPIError as exc:
+                (row,) = self._run(conn.connection, "schema_version", {})
+                return int(row["version"])
+        except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
 
     def check_schema(self) -> int:
@@ -522,10 +522,10 @@ class LeaseStore:
                 self.engine.begin() as conn,
                 self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
             ):
-                claimed = conn.execute(self._queries["claim_slot"], params).first()
-        except sa.exc.DBAPIError as exc:
+                claimed = self._run(_dbapi_connection(conn), "claim_slot", params)
+        except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
-        return claimed is not None
+        return bool(claimed)
 
     def dispatches(self, schedule: str, *, limit: int = 100) -> list[Dispatch]:
         """Slots dispatched for ``schedule`` (the scheduler's lease name), newest first."""
