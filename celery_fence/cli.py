@@ -164,6 +164,14 @@ def echo_json(data: object) -> None:
     click.echo(json.dumps(data, default=_json_value))
 
 
+def _without_token(answer: dict[str, Any]) -> dict[str, Any]:
+    """An acquire answer to print for others to read: the winner's token withheld."""
+    lease = answer.get("lease")
+    if not isinstance(lease, dict):
+        return answer
+    return {**answer, "lease": {**lease, "token": "(withheld)"}}
+
+
 def owner_dict(owner: Owner | None) -> dict[str, Any] | None:
     return None if owner is None else dataclasses.asdict(owner)
 
@@ -829,7 +837,7 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     answers = race(settings, name, clients, ttl)
     for answer in answers:
         if answer.answer is not None:
-            echo_json(answer.answer)
+            echo_json(_without_token(answer.answer))
     problems = race_problems(seed.epoch, answers, store.owner(name))
     if problems:
         raise CommandError("canary: FAILED: " + "; ".join(problems))

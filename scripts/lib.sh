@@ -33,9 +33,12 @@ ensure_venv() {
             die "python3 -m venv failed: install the venv module (apt-get install python3-venv)"
     fi
     if [ ! -f "$VENV_STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$VENV_STAMP" ]; then
-        say "installing celery-fence[dev] into $VENV"
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "${REPO_ROOT}[dev]" ||
+        say "installing celery-fence[dev] into $VENV (log: $VENV/pip.log)"
+        if ! "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -e "${REPO_ROOT}[dev]" >"$VENV/pip.log" 2>&1; then
+            cat "$VENV/pip.log" >&2
             die "pip install -e '.[dev]' failed (see above)"
+        fi
         touch "$VENV_STAMP"
     fi
     export PATH="$VENV/bin:$PATH"

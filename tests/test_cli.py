@@ -600,6 +600,8 @@ def test_canary_command_with_three_clients(database_url: str, store: LeaseStore)
     assert result.exit_code == ExitCode.OK, result.stdout + result.stderr
     won = assert_one_winner(json_lines(result.stdout), clients=3, epoch=2)
     assert result.stdout.splitlines()[-1].startswith(f"canary: OK: {won['holder']} won epoch 2")
+    # What the canary prints is for others to read: the winner's token is withheld.
+    assert won["token"] == "(withheld)"
     owner = store.owner("race:three")
     assert owner is not None
     assert (owner.holder, owner.epoch, owner.state) == (won["holder"], 2, "released")
