@@ -292,16 +292,12 @@ class Contender(threading.Thread):
     def on_driver(self, query: str, params: tuple[object, ...]) -> tuple[object, ...] | None:
         """Run ``query`` through psycopg alone on this contender's (autocommit) connection,
         timed."""
-        pooled = self.store.protocol_engine.raw_connection()
-        try:
-            connection = pooled.driver_connection
+        with self.store.protocol_connection() as connection:
             assert isinstance(connection, psycopg.Connection)
             self.race.go.wait()
             started = time.perf_counter()
             row: tuple[object, ...] | None = connection.execute(query, params).fetchone()
             self.seconds = time.perf_counter() - started
-        finally:
-            pooled.close()
         return row
 
     def sql(self) -> None:

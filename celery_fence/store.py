@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
@@ -113,6 +115,57 @@ class _Statement:
         return values
 
 
+class _Connections:
+    """The store's own autocommit DB-API connections for protocol calls, opened through the
+    engine's dialect from ``engine.url``. The idle ones wait on a stack, the most recently used
+    on top, at most ``keep`` of them; more are opened while all are busy. A protocol call is one
+    statement, so a pool's checkout and reset would cost more than the call's own work here. A
+    forked child leaves its parent's connections alone and opens its own."""
+
+    def __init__(self, engine: Engine, keep: int) -> None:
+        self._dialect = engine.dialect
+        self._args = self._dialect.create_connect_args(engine.url)
+        self._keep = keep
+        self._idle: deque[Any] = deque()
+        self._pid = os.getpid()
+
+    def _open(self) -> Any:
+        cargs, cparams = self._args
+        connection = self._dialect.connect(*cargs, **cparams)
+        self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
+        return connection
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        if os.getpid() != self._pid:
+            self.close(close=False)
+            self._pid = os.getpid()
+        try:
+            connection = self._idle.pop()
+        except IndexError:
+            connection = self._open()
+        try:
+            yield connection
+        finally:
+            # One left mid-statement (an interrupt) or broken is not handed out again.
+            if (
+                connection.closed
+                or connection.broken
+                or connection.info.transaction_status
+                or len(self._idle) >= self._keep
+            ):
+                connection.close()
+            else:
+                self._idle.append(connection)
+
+    def close(self, *, close: bool = True) -> None:
+        """Close the idle connections (``close=False``: forget them, after a fork)."""
+        while self._idle:
+            connection = self._idle.pop()
+            if close:
+                connection.close()
+
+
 def _dbapi_connection(conn: Executor) -> Any:
     """The DB-API connection under a SQLAlchemy ``Connection`` or ``Session``, in its current
     transaction."""
@@ -140,8 +193,8 @@ class LeaseStore:
     acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
     could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
-    on up to ``2 * pool_size`` connections of the store's own, opened from ``engine.url``; fenced
-    writes run on the caller's connection.
+    on connections of the store's own, opened from ``engine.url``, of which up to ``pool_size``
+    are kept open between calls; fenced writes run on the caller's connection.
     """
 
     def __init__(
@@ -164,16 +217,8 @@ class LeaseStore:
         self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
         self.default_environment = validation.check_environment(default_environment)
         self.metrics = Metrics()
-        # Protocol calls are single autocommit statements on connections of the store's own, so
-        # nothing needs resetting when a connection goes back to the pool.
-        self.protocol_engine = sa.create_engine(
-            engine.url,
-            isolation_level="AUTOCOMMIT",
-            pool_reset_on_return=None,
-            pool_size=pool_size,
-            max_overflow=pool_size,
-        )
-        weakref.finalize(self, self.protocol_engine.dispose)
+        self._connections = _Connections(engine, keep=pool_size)
+        weakref.finalize(self, self._connections.close)
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
         }
@@ -197,10 +242,16 @@ class LeaseStore:
             default_environment=self.default_environment,
         )
 
+    @contextmanager
+    def protocol_connection(self) -> Iterator[Any]:
+        """One of the store's own autocommit DB-API (psycopg) connections, for the block."""
+        with self._connections.connection() as connection:
+            yield connection
+
     def dispose(self, *, close: bool = True) -> None:
         """Dispose of the store's own connections and the engine's (``close=False`` after a
         fork, so the parent's connections are left alone)."""
-        self.protocol_engine.dispose(close=close)
+        self._connections.close(close=close)
         self.engine.dispose(close=close)
 
     # -- schema -----------------------------------------------------------------------------
@@ -591,7 +642,8 @@ class LeaseStore:
     def history(self, name: str, *, limit: int = 100) -> list[HistoryEntry]:
         """Who won each epoch of the lease, newest first."""
         rows = self._rows(
-            "history", {"name": validation.check_name(name), "limit": self._limit(limit)}
+            "history",
+            {"name": validation.check_name(name), "limit": self._limit(limit), "now": self._now()},
         )
         return [HistoryEntry(**row) for row in rows]
 
@@ -647,14 +699,9 @@ class LeaseStore:
     def _rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         """Run a named query in autocommit on a pooled connection; wrap driver errors."""
         try:
-            with self.protocol_engine.connect() as conn:
-                try:
-                    return self._run(conn.connection, query, params)
-                except self._driver_errors as exc:
-                    if self.engine.dialect.is_disconnect(exc, conn.connection, None):  # type: ignore[arg-type]
-                        conn.invalidate(exc)
-                    raise
-        except (self._driver_errors, sa.exc.DBAPIError) as exc:
+            with self._connections.connection() as connection:
+                return self._run(connection, query, params)
+        except self._driver_errors as exc:
             raise _wrap(exc) from exc
 
     def _run(
@@ -665,9 +712,12 @@ class LeaseStore:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(statement.sql, statement.parameters(params))
-            if cursor.description is None:
+            # The column names straight from the result: psycopg's ``description`` builds a
+            # Column object per column, which costs more than the rest of a protocol call here.
+            result = cursor.pgresult
+            if result is None or not result.nfields:
                 return []
-            names = [column[0] for column in cursor.description]
+            names = [result.fname(i).decode() for i in range(result.nfields)]
             return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
         finally:
             cursor.close()

@@ -104,9 +104,12 @@ DECLARE
     v_hold interval := coalesce(p_max_hold, greatest(p_ttl, interval '1 day'));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
-    PERFORM set_config(
-        'lock_timeout', (extract(epoch FROM p_lock_timeout) * 1000)::bigint::text, true
-    );
+    -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
+    IF p_lock_timeout <> interval '2 seconds' THEN
+        PERFORM set_config(
+            'lock_timeout', (extract(epoch FROM p_lock_timeout) * 1000)::bigint::text, true
+        );
+    END IF;
     FOR attempt IN 1..5 LOOP
         -- Look before locking: a valid or paused lease is answered without writing anything.
         v_row := NULL;
@@ -119,8 +122,17 @@ BEGIN
             IF v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
                 RETURN celery_fence.answer_of('held', NULL, v_row, false, v_now);
             END IF;
-            -- The lease looked free. The update re-checks on the newest row version after any
-            -- row-lock wait, with the clock read at that moment.
+            -- Acquirers racing for a free lease wait together for the first one's transaction
+            -- (a shared lock on the lease's key) and then look again, rather than queue one by
+            -- one on its row. Only the first look does this, so that a later one cannot be kept
+            -- out by the others' shared locks.
+            IF attempt = 1 AND NOT pg_try_advisory_xact_lock(hashtextextended(p_name, 0)) THEN
+                PERFORM pg_advisory_xact_lock_shared(hashtextextended(p_name, 0));
+                CONTINUE;
+            END IF;
+            -- The lease looked free: take over the epoch looked at, and only that one. The
+            -- update re-checks on the newest row version after any row-lock wait, with the clock
+            -- read at that moment, and changes nothing when another acquirer got there first.
             UPDATE celery_fence.leases AS l SET
                 environment = p_environment,
                 holder = p_holder,
@@ -134,15 +146,18 @@ BEGIN
                 released_at = NULL,
                 sharers = 1
             WHERE l.name = p_name
+              AND l.epoch = v_row.epoch
               AND NOT l.paused
               AND (l.released_at IS NOT NULL OR l.expires_at <= coalesce(p_now, clock_timestamp()))
             RETURNING l.* INTO v_new;
-            IF v_new.name IS NOT NULL THEN
-                UPDATE celery_fence.lease_history AS h SET
-                    ended_at = CASE WHEN v_row.epoch = v_new.epoch - 1
-                                    THEN v_row.expires_at ELSE v_new.acquired_at END,
-                    end_reason = 'expired'
-                WHERE h.name = p_name AND h.epoch = v_new.epoch - 1 AND h.ended_at IS NULL;
+            IF v_new.name IS NOT NULL AND v_row.released_at IS NULL THEN
+                -- The epoch taken over ended by expiry (a release records its own end).
+                INSERT INTO celery_fence.lease_history (
+                    name, epoch, environment, holder, purpose, acquired_at, ended_at, end_reason
+                ) VALUES (
+                    v_row.name, v_row.epoch, v_row.environment, v_row.holder, v_row.purpose,
+                    v_row.acquired_at, v_row.expires_at, 'expired'
+                );
             END IF;
         ELSE
             INSERT INTO celery_fence.leases AS l (
@@ -156,12 +171,6 @@ BEGIN
             RETURNING l.* INTO v_new;
         END IF;
         IF v_new.name IS NOT NULL THEN
-            INSERT INTO celery_fence.lease_history (
-                name, epoch, environment, holder, purpose, acquired_at
-            ) VALUES (
-                v_new.name, v_new.epoch, v_new.environment, v_new.holder, v_new.purpose,
-                v_new.acquired_at
-            );
             RETURN celery_fence.answer_of('acquired', NULL, v_new, true, v_new.acquired_at);
         END IF;
         -- Another acquirer changed the row first; look again with a fresh snapshot.
@@ -233,9 +242,12 @@ BEGIN
         );
     END IF;
     IF v_row.name IS NOT NULL THEN
-        UPDATE celery_fence.lease_history AS h
-        SET ended_at = v_row.released_at, end_reason = 'released'
-        WHERE h.name = p_name AND h.epoch = p_epoch;
+        INSERT INTO celery_fence.lease_history (
+            name, epoch, environment, holder, purpose, acquired_at, ended_at, end_reason
+        ) VALUES (
+            v_row.name, v_row.epoch, v_row.environment, v_row.holder, v_row.purpose,
+            v_row.acquired_at, v_row.released_at, 'released'
+        );
         PERFORM pg_notify('celery_fence_released', p_name);
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_row.released_at);
     END IF;
@@ -251,6 +263,15 @@ BEGIN
     );
     RETURN celery_fence.answer_of('lost', v_reason, v_row, false, coalesce(p_now, clock_timestamp()));
 END
+$$;
+
+-- The idle_in_transaction_session_timeout, in milliseconds as set_config takes it, after which
+-- the server ends a session left idle in a transaction fenced by a lease expiring at p_expires_at.
+CREATE OR REPLACE FUNCTION celery_fence.idle_limit(p_expires_at timestamptz)
+RETURNS text LANGUAGE sql VOLATILE AS $$
+    SELECT least(2147483647, greatest(1, ceil(
+        extract(epoch FROM p_expires_at - clock_timestamp()) * 1000
+    )))::text
 $$;
 
 -- Lock the lease row FOR SHARE in the caller's transaction and say whether (epoch, token) still
@@ -295,11 +316,7 @@ BEGIN
     -- (An injected clock says nothing about when the server's own clock will get there.)
     IF p_now IS NULL THEN
         PERFORM set_config(
-            'idle_in_transaction_session_timeout',
-            least(2147483647, greatest(1, ceil(
-                extract(epoch FROM v_row.expires_at - clock_timestamp()) * 1000
-            )))::text,
-            true
+            'idle_in_transaction_session_timeout', celery_fence.idle_limit(v_row.expires_at), true
         );
     END IF;
     RETURN p_epoch;
@@ -424,6 +441,19 @@ CREATE OR REPLACE FUNCTION celery_fence.owner(p_name text, p_now timestamptz DEF
 RETURNS celery_fence.answer LANGUAGE sql STABLE AS $$
     SELECT celery_fence.answer_of('read', NULL, l, false, coalesce(p_now, clock_timestamp()))
     FROM celery_fence.leases l WHERE l.name = p_name
+$$;
+
+-- Who held each epoch of a lease: the ended epochs in lease_history, and the one the lease row
+-- still carries (in progress, or expired and not yet taken over).
+CREATE OR REPLACE FUNCTION celery_fence.history(p_name text, p_now timestamptz DEFAULT NULL)
+RETURNS SETOF celery_fence.lease_history LANGUAGE sql STABLE AS $$
+    SELECT l.name, l.epoch, l.environment, l.holder, l.purpose, l.acquired_at,
+           CASE WHEN l.expires_at <= coalesce(p_now, now()) THEN l.expires_at END,
+           CASE WHEN l.expires_at <= coalesce(p_now, now()) THEN 'expired' END
+    FROM celery_fence.leases l
+    WHERE l.name = p_name AND l.epoch > 0 AND l.released_at IS NULL
+    UNION ALL
+    SELECT h.* FROM celery_fence.lease_history h WHERE h.name = p_name
 $$;
 
 -- HMAC-SHA256 (RFC 2104) on the built-in sha256(), so that any client can check a header proof.

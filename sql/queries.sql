@@ -20,7 +20,25 @@ SELECT * FROM celery_fence.rejoin(
 )
 
 -- name: fence
-SELECT celery_fence.fence(:name, :epoch, :token, :now)
+-- celery_fence.fence() without the function call on its common path: the lease row is locked
+-- FOR SHARE and judged on its newest version, with the clock read after any wait; only a stale
+-- epoch (or a missing lease) calls fence() itself, which raises and so aborts the transaction.
+SELECT CASE
+    WHEN f.reason IS NOT NULL OR f.expires_at IS NULL
+        THEN celery_fence.fence(:name, :epoch, :token, :now)::text
+    WHEN CAST(:now AS timestamptz) IS NULL THEN set_config(
+        'idle_in_transaction_session_timeout', celery_fence.idle_limit(f.expires_at), true
+    )
+END AS fenced
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN LATERAL (
+    SELECT l.expires_at, celery_fence.stale_reason(
+        l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+    ) AS reason
+    FROM celery_fence.leases l
+    WHERE l.name = :name
+    FOR SHARE
+) AS f ON true
 
 -- name: check_fence
 SELECT * FROM celery_fence.check_fence(:name, :epoch, :token, :now)
@@ -56,8 +74,7 @@ ORDER BY s.recorded_at DESC, s.id DESC
 LIMIT :limit
 
 -- name: history
-SELECT * FROM celery_fence.lease_history h
-WHERE h.name = :name
+SELECT * FROM celery_fence.history(:name, :now) h
 ORDER BY h.epoch DESC
 LIMIT :limit
 

@@ -29,6 +29,8 @@ CREATE TABLE celery_fence.leases (
     CONSTRAINT leases_expiry_within_hold CHECK (expires_at <= hold_until)
 ) WITH (fillfactor = 70);
 
+-- Epochs that ended, one row each, written when the epoch ends; the epoch a lease row still
+-- carries is in leases (celery_fence.history() shows both).
 CREATE TABLE celery_fence.lease_history (
     name         text        NOT NULL,
     epoch        bigint      NOT NULL,
@@ -36,8 +38,8 @@ CREATE TABLE celery_fence.lease_history (
     holder       text        NOT NULL,
     purpose      text        NOT NULL,
     acquired_at  timestamptz NOT NULL,
-    ended_at     timestamptz,
-    end_reason   text CHECK (end_reason IN ('released', 'expired')),
+    ended_at     timestamptz NOT NULL,
+    end_reason   text        NOT NULL CHECK (end_reason IN ('released', 'expired')),
     PRIMARY KEY (name, epoch)
 );
 

@@ -66,7 +66,7 @@ def contenders(request: pytest.FixtureRequest, database_url: str) -> Iterator[Co
 def history_epochs(engine: Engine, name: str) -> list[int]:
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.text("SELECT epoch FROM celery_fence.lease_history WHERE name = :n ORDER BY epoch"),
+            sa.text("SELECT epoch FROM celery_fence.history(:n) ORDER BY epoch"),
             {"n": name},
         )
         return list(rows.scalars())

@@ -337,6 +337,51 @@ def test_the_same_timeline_defeats_a_check_without_a_row_lock(
     assert committed_values(protected) == ["initial", "H"]
 
 
+@pytest.mark.parametrize("successor_commits", [True, False], ids=["committed", "rolled-back"])
+def test_a_fence_waiting_behind_an_acquisition_judges_what_it_left(
+    store: LeaseStore, protected: Engine, expire_lease: Expire, successor_commits: bool
+) -> None:
+    """H's fence waits for the lease row itself, held by S's acquisition in flight: it is judged
+    on the row as S's transaction leaves it, not on the version H's statement first saw."""
+    stale = acquire(store, "H")
+    expire_lease(NAME)
+    with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as s_conn:
+        s_transaction = s_conn.begin()
+        s_conn.exec_driver_sql(
+            "SELECT * FROM celery_fence.acquire('release:prod', 'prod', 'S', interval '300 s')"
+        )
+        h_done, _ = blocked_write(pool, protected, guarded(store, stale, "H"))
+        if successor_commits:
+            s_transaction.commit()
+        else:
+            s_transaction.rollback()
+        with pytest.raises(StaleEpochError) as caught:
+            h_done.result(timeout=WAIT)
+    assert caught.value.reason == ("superseded" if successor_commits else "expired")
+    assert committed_values(protected) == ["initial"]
+    [run] = store.stale_runs()
+    assert (run.stale_holder, run.reason) == ("H", caught.value.reason)
+
+
+def test_a_rejection_caught_inside_the_transaction_still_rolls_it_back(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    """The fence aborts the transaction in the server: a caller that swallows StaleEpochError
+    and commits anyway commits nothing."""
+    stale = acquire(store, "H")
+    expire_lease(NAME)
+    # pytest.raises swallows the error inside the transaction, which then commits.
+    with (
+        protected.begin() as conn,
+        pytest.raises(StaleEpochError) as caught,
+        store.guard(stale, conn, action="write H"),
+    ):
+        conn.execute(UPDATE, {"value": "H"})
+    assert caught.value.reason == "expired"
+    assert committed_values(protected) == ["initial"]
+    assert [run.reason for run in store.stale_runs()] == ["expired"]
+
+
 class FencedHolder:
     """H: a guarded write that has passed its fence check (the lease row is locked FOR SHARE)
     and keeps its transaction open until told to commit."""
@@ -393,8 +438,8 @@ def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(
 ) -> None:
     stale = acquire(store, "H")
     late = late_store(protected, lock_timeout=5).dedicated()
-    with late.protocol_engine.connect() as conn:
-        late_pid = backend_pid(conn)
+    with late.protocol_connection() as connection:
+        late_pid = connection.info.backend_pid
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
             holder = FencedHolder(pool, store, stale)
@@ -406,7 +451,7 @@ def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(
             holder.done.result(timeout=WAIT)
             successor = got.result(timeout=WAIT)
     finally:
-        late.protocol_engine.dispose()
+        late.dispose()
     assert successor.outcome == "acquired"
     assert successor.lease is not None
     assert successor.lease.epoch == stale.epoch + 1

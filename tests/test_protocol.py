@@ -402,15 +402,14 @@ def test_a_loser_never_receives_the_token(store: LeaseStore) -> None:
     assert (answer.outcome, answer.token) == ("held", None)
 
 
-def table_writes(engine: Engine, flush: Engine) -> dict[str, tuple[int, int, int]]:
+def table_writes(engine: Engine, solo: LeaseStore) -> dict[str, tuple[int, int, int]]:
     """Rows inserted, updated and deleted in each celery_fence table, as counted by PostgreSQL.
 
-    ``flush`` is the engine whose one backend did the work (a dedicated store's protocol
-    engine): it is made to publish its pending counts first, so that the figures are exact
-    rather than up to a second old.
+    ``solo`` is the dedicated store whose one backend did the work: it is made to publish its
+    pending counts first, so that the figures are exact rather than up to a second old.
     """
-    with flush.connect() as conn:
-        conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+    with solo.protocol_connection() as connection:
+        connection.execute("SELECT pg_stat_force_next_flush()")
     with engine.connect() as conn:
         rows = conn.exec_driver_sql(
             "SELECT relname, n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables "
@@ -423,18 +422,18 @@ def test_losing_acquisitions_write_nothing(store: LeaseStore) -> None:
     solo = store.dedicated()
     try:
         lease = held(solo.acquire(NAME, holder="a", ttl=300, environment="prod"))
-        before_counts = table_writes(store.engine, solo.protocol_engine)
+        before_counts = table_writes(store.engine, solo)
         before_row = lease_row(store.engine, NAME)
         for index in range(200):
             loser = solo.acquire(NAME, holder=f"b{index % 3}", ttl=30, environment="prod")
             assert loser.outcome == "held"
         # Not one row inserted, updated, deleted or even locked (xmax would show a lock).
-        assert table_writes(store.engine, solo.protocol_engine) == before_counts
+        assert table_writes(store.engine, solo) == before_counts
         assert lease_row(store.engine, NAME) == before_row
         # The same measure does see a winning acquisition's writes.
         solo.release(lease)
         held(solo.acquire(NAME, holder="b", ttl=30, environment="prod"))
-        assert table_writes(store.engine, solo.protocol_engine) != before_counts
+        assert table_writes(store.engine, solo) != before_counts
     finally:
         solo.dispose()
 

@@ -12,7 +12,7 @@ import uuid
 import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +191,74 @@ def test_replayed_migrations_equal_schema_sql(
     assert ("answer", "c") in migrated["types"]
     checks = [row[3] for row in migrated["constraints"] if row[2] == "c"]
     assert "CHECK ((expires_at <= hold_until))" in checks
+
+
+# Schema 2 as its code left it: a lease in progress at epoch 3 after one expired epoch and one
+# released, and a lease whose only epoch lapsed without being taken over.
+UPGRADE_FROM_2 = (
+    "INSERT INTO celery_fence.migrations (version, name)"
+    " VALUES (1, '0001_initial'), (2, '0002_dispatches')",
+    """
+    INSERT INTO celery_fence.leases (
+        name, environment, holder, epoch, token, acquired_at, renewed_at,
+        expires_at, hold_until, released_at
+    ) VALUES
+        ('held', 'prod', 'c', 3, gen_random_uuid(), :t0 + interval '2 h',
+         :t0 + interval '2 h', 'infinity', 'infinity', NULL),
+        ('lapsed', 'prod', 'a', 1, gen_random_uuid(), :t0, :t0,
+         :t0 + interval '1 min', :t0 + interval '1 day', NULL)
+    """,
+    """
+    INSERT INTO celery_fence.lease_history (
+        name, epoch, environment, holder, purpose, acquired_at, ended_at, end_reason
+    ) VALUES
+        ('held', 1, 'prod', 'a', '', :t0, :t0 + interval '1 min', 'expired'),
+        ('held', 2, 'prod', 'b', '', :t0 + interval '1 h', :t0 + interval '1 h 1 min', 'released'),
+        ('held', 3, 'prod', 'c', '', :t0 + interval '2 h', NULL, NULL),
+        ('lapsed', 1, 'prod', 'a', '', :t0, NULL, NULL)
+    """,
+)
+
+
+def test_upgrading_from_schema_2_keeps_every_epoch_in_the_history(empty_database_url: str) -> None:
+    """Schema 2 kept an open history row for each epoch in progress; from 3 on, the lease row
+    stands for it. The upgrade drops only those rows, and history() reads the same epochs."""
+    run_script(
+        empty_database_url,
+        "bootstrap.sql",
+        "migrations/0001_initial.sql",
+        "migrations/0002_dispatches.sql",
+    )
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    try:
+        with engine.begin() as conn:
+            for statement in UPGRADE_FROM_2:
+                conn.execute(sa.text(statement), {"t0": t0})
+        assert install(empty_database_url) == _sql.latest_version()
+        with engine.connect() as conn:
+            stored = conn.exec_driver_sql(
+                "SELECT name, epoch FROM celery_fence.lease_history ORDER BY name, epoch"
+            ).all()
+    finally:
+        engine.dispose()
+    assert [tuple(row) for row in stored] == [("held", 1), ("held", 2)]
+    store = LeaseStore.from_url(empty_database_url)
+    try:
+        held = store.history("held")
+        lapsed = store.history("lapsed")
+    finally:
+        store.dispose()
+    assert [(e.epoch, e.holder, e.end_reason) for e in held] == [
+        (3, "c", None),
+        (2, "b", "released"),
+        (1, "a", "expired"),
+    ]
+    assert [(e.epoch, e.ended_at, e.end_reason) for e in lapsed] == [
+        (1, t0 + timedelta(minutes=1), "expired")
+    ]
 
 
 # -- the printed script is what install runs -----------------------------------------------------

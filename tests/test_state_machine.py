@@ -261,10 +261,10 @@ class LeaseMachine(RuleBasedStateMachine):
                 sa.text(
                     "SELECT (SELECT count(*) FROM celery_fence.stale_runs WHERE lease_name = :n),"
                     " count(*), count(*) FILTER (WHERE h.holder IS DISTINCT FROM w.holder)"
-                    " FROM model_writes w LEFT JOIN celery_fence.lease_history h"
-                    " ON (h.name, h.epoch) = (w.name, w.epoch) WHERE w.name = :n"
+                    " FROM model_writes w LEFT JOIN celery_fence.history(:n, :now) h"
+                    " ON h.epoch = w.epoch WHERE w.name = :n"
                 ),
-                {"n": self.name},
+                {"n": self.name, "now": self.clock()},
             ).one()
         # Every committed write was made under an epoch by that epoch's winner.
         assert (stale, writes, foreign) == (self.model.stale_runs, self.model.writes, 0)
