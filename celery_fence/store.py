@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -118,15 +119,22 @@ class _Statement:
 class _Connections:
     """The store's own autocommit DB-API connections for protocol calls, opened through the
     engine's dialect from ``engine.url``. The idle ones wait on a stack, the most recently used
-    on top, at most ``keep`` of them; more are opened while all are busy. A protocol call is one
-    statement, so a pool's checkout and reset would cost more than the call's own work here. A
-    forked child leaves its parent's connections alone and opens its own."""
+    on top, at most ``keep`` of them; more are opened while all are busy, up to ``limit`` open
+    at once, beyond which a caller waits up to ``timeout`` seconds for one to come back. A
+    protocol call is one statement, so a pool's checkout and reset would cost more than the
+    call's own work here. A forked child keeps its parent's connections referenced, unused and
+    open, so that neither closing nor collecting them touches the parent's sessions, and opens
+    its own."""
 
-    def __init__(self, engine: Engine, keep: int) -> None:
+    def __init__(self, engine: Engine, *, keep: int, limit: int, timeout: float = 30.0) -> None:
         self._dialect = engine.dialect
         self._args = self._dialect.create_connect_args(engine.url)
         self._keep = keep
+        self._limit = limit
+        self._timeout = timeout
+        self._slots = threading.BoundedSemaphore(limit)
         self._idle: deque[Any] = deque()
+        self._inherited: list[Any] = []
         self._pid = os.getpid()
 
     def _open(self) -> Any:
@@ -135,35 +143,56 @@ class _Connections:
         self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
         return connection
 
+    def _forget(self) -> None:
+        """In a forked child: set the parent's connections aside and start afresh."""
+        self._inherited.extend(self._idle)
+        self._idle.clear()
+        self._slots = threading.BoundedSemaphore(self._limit)
+        self._pid = os.getpid()
+
     @contextmanager
     def connection(self) -> Iterator[Any]:
         if os.getpid() != self._pid:
-            self.close(close=False)
-            self._pid = os.getpid()
+            self._forget()
+        slots = self._slots
+        if not slots.acquire(timeout=self._timeout):
+            raise FenceDatabaseError(
+                f"all {self._limit} protocol connections stayed busy for {self._timeout:g} s"
+            )
         try:
-            connection = self._idle.pop()
-        except IndexError:
-            connection = self._open()
-        try:
-            yield connection
+            try:
+                connection = self._idle.pop()
+            except IndexError:
+                connection = self._open()
+            try:
+                yield connection
+            finally:
+                self._put_back(connection)
         finally:
-            # One left mid-statement (an interrupt) or broken is not handed out again.
-            if (
-                connection.closed
-                or connection.broken
-                or connection.info.transaction_status
-                or len(self._idle) >= self._keep
-            ):
-                connection.close()
-            else:
-                self._idle.append(connection)
+            slots.release()
+
+    def _put_back(self, connection: Any) -> None:
+        # One left broken, mid-statement (an interrupt) or out of autocommit by a borrower is
+        # not handed out again.
+        if (
+            connection.closed
+            or connection.broken
+            or connection.info.transaction_status
+            or not connection.autocommit
+            or len(self._idle) >= self._keep
+        ):
+            connection.close()
+        else:
+            self._idle.append(connection)
 
     def close(self, *, close: bool = True) -> None:
-        """Close the idle connections (``close=False``: forget them, after a fork)."""
+        """Close the idle connections; ``close=False``, or in a forked child, sets them aside
+        instead."""
+        if not close or os.getpid() != self._pid:
+            self._forget()
+            return
         while self._idle:
-            connection = self._idle.pop()
-            if close:
-                connection.close()
+            self._idle.pop().close()
 
 
 def _dbapi_connection(conn: Executor) -> Any:
@@ -193,8 +222,8 @@ class LeaseStore:
     acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
     could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
-    on connections of the store's own, opened from ``engine.url``, of which up to ``pool_size``
-    are kept open between calls; fenced writes run on the caller's connection.
+    on connections of the store's own, opened from ``engine.url``: up to ``pool_size`` kept open
+    between calls, up to twice as many at once. Fenced writes run on the caller's connection.
     """
 
     def __init__(
@@ -217,7 +246,13 @@ class LeaseStore:
         self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
         self.default_environment = validation.check_environment(default_environment)
         self.metrics = Metrics()
-        self._connections = _Connections(engine, keep=pool_size)
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigurationError(f"pool_size must be a positive integer, got {pool_size!r}")
+        if engine.dialect.driver != "psycopg":
+            raise ConfigurationError(
+                f"celery-fence needs psycopg 3 (postgresql+psycopg://), got {engine.url.drivername}"
+            )
+        self._connections = _Connections(engine, keep=pool_size, limit=2 * pool_size)
         weakref.finalize(self, self._connections.close)
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()

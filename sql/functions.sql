@@ -64,6 +64,14 @@ BEGIN
 END
 $$;
 
+-- The transaction-scoped advisory lock key on which acquirers racing for one lease wait
+-- together (see acquire): the name's 64-bit hash, seeded so as to stay out of the way of keys an
+-- application derives from the same names with the default seed.
+CREATE OR REPLACE FUNCTION celery_fence.acquire_key(p_name text)
+RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
+    SELECT hashtextextended(p_name, 7161677110969590627)
+$$;
+
 CREATE OR REPLACE FUNCTION celery_fence.record_stale_run(
     p_name text, p_epoch bigint, p_holder text, p_reason text, p_action text,
     p_environment text DEFAULT NULL, p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -101,6 +109,7 @@ DECLARE
     v_row celery_fence.leases;
     v_new celery_fence.leases;
     v_now timestamptz;
+    v_waited_from timestamptz;
     v_hold interval := coalesce(p_max_hold, greatest(p_ttl, interval '1 day'));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
@@ -126,8 +135,13 @@ BEGIN
             -- (a shared lock on the lease's key) and then look again, rather than queue one by
             -- one on its row. Only the first look does this, so that a later one cannot be kept
             -- out by the others' shared locks.
-            IF attempt = 1 AND NOT pg_try_advisory_xact_lock(hashtextextended(p_name, 0)) THEN
-                PERFORM pg_advisory_xact_lock_shared(hashtextextended(p_name, 0));
+            IF attempt = 1 AND NOT pg_try_advisory_xact_lock(celery_fence.acquire_key(p_name)) THEN
+                v_waited_from := clock_timestamp();
+                PERFORM pg_advisory_xact_lock_shared(celery_fence.acquire_key(p_name));
+                -- Whatever lock wait follows gets what is left of the timeout, not all of it.
+                PERFORM set_config('lock_timeout', greatest(1, ceil(extract(epoch FROM
+                    coalesce(p_lock_timeout, interval '2 seconds')
+                    - (clock_timestamp() - v_waited_from)) * 1000))::text, true);
                 CONTINUE;
             END IF;
             -- The lease looked free: take over the epoch looked at, and only that one. The
@@ -157,7 +171,8 @@ BEGIN
                 ) VALUES (
                     v_row.name, v_row.epoch, v_row.environment, v_row.holder, v_row.purpose,
                     v_row.acquired_at, v_row.expires_at, 'expired'
-                );
+                )
+                ON CONFLICT DO NOTHING;
             END IF;
         ELSE
             INSERT INTO celery_fence.leases AS l (
@@ -353,6 +368,9 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_mode = 'resume' THEN
+        -- The lease's key, then its row: the order acquire takes them in, so that a take-over
+        -- through acquire below never waits for the key while holding the row.
+        PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;

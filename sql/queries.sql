@@ -21,23 +21,20 @@ SELECT * FROM celery_fence.rejoin(
 
 -- name: fence
 -- celery_fence.fence() without the function call on its common path: the lease row is locked
--- FOR SHARE and judged on its newest version, with the clock read after any wait; only a stale
--- epoch (or a missing lease) calls fence() itself, which raises and so aborts the transaction.
+-- FOR SHARE (the newest version, after any wait) and judged above the lock, so that the clock is
+-- read once the lock is held; only a stale epoch (or a missing lease) calls fence() itself,
+-- which raises and so aborts the transaction.
 SELECT CASE
-    WHEN f.reason IS NOT NULL OR f.expires_at IS NULL
-        THEN celery_fence.fence(:name, :epoch, :token, :now)::text
+    WHEN celery_fence.stale_reason(
+        f.l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+    ) IS NOT NULL THEN celery_fence.fence(:name, :epoch, :token, :now)::text
     WHEN CAST(:now AS timestamptz) IS NULL THEN set_config(
-        'idle_in_transaction_session_timeout', celery_fence.idle_limit(f.expires_at), true
+        'idle_in_transaction_session_timeout', celery_fence.idle_limit((f.l).expires_at), true
     )
 END AS fenced
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN LATERAL (
-    SELECT l.expires_at, celery_fence.stale_reason(
-        l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
-    ) AS reason
-    FROM celery_fence.leases l
-    WHERE l.name = :name
-    FOR SHARE
+    SELECT l FROM celery_fence.leases l WHERE l.name = :name FOR SHARE
 ) AS f ON true
 
 -- name: check_fence

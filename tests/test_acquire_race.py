@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from celery_fence import Acquisition, LeaseStore
-from celery_fence.store import engine_from_url
+from celery_fence import Acquisition, Lease, LeaseLostError, LeaseStore
+from celery_fence.store import engine_from_url, proof
 
 TTL = 30.0
 BARRIER_TIMEOUT = 30.0
@@ -139,3 +139,59 @@ def test_one_winner_per_round_on_a_new_lease(
         assert history_epochs(store.engine, name) == [1]
         assert winner.owner is not None
         assert winner.owner.environment == "race"
+
+
+def resume(store: LeaseStore, lease: Lease) -> Acquisition | LeaseLostError:
+    """A continuation of ``lease``'s run taking it back, or what refused it."""
+    try:
+        return store.rejoin(
+            lease.name,
+            epoch=lease.epoch,
+            holder=lease.holder,
+            mode="resume",
+            proof=proof(lease, "resume"),
+            ttl=TTL,
+            action="resume",
+        )
+    except LeaseLostError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("contenders", [4], indirect=True)
+def test_a_resuming_continuation_races_acquirers_without_deadlock(
+    store: LeaseStore, contenders: Contenders, expire_lease: Callable[[str], None]
+) -> None:
+    """A continuation taking back its expired lease (``rejoin`` in mode ``resume``, which locks
+    the row and then acquires) against plain acquirers of the same lease: every round ends with
+    exactly one new epoch, and nobody waits on anybody in a cycle."""
+    name = "race:resume"
+    previous = store.acquire(name, holder="first", ttl=TTL, environment="race").lease
+    resumed = 0
+    for _ in range(40):
+        assert previous is not None
+        expire_lease(name)
+
+        def contend(index: int, lease: Lease) -> Acquisition | LeaseLostError:
+            contender = contenders.stores[index]
+            contenders.barrier.wait(BARRIER_TIMEOUT)
+            if index == 0:
+                return resume(contender, lease)
+            return contender.acquire(name, holder=f"contender-{index}", ttl=TTL)
+
+        futures = [contenders.pool.submit(contend, index, previous) for index in range(4)]
+        answers = [future.result(timeout=BARRIER_TIMEOUT * 2) for future in futures]
+        winners = [
+            answer.lease
+            for answer in answers
+            if isinstance(answer, Acquisition) and answer.lease is not None
+        ]
+        assert len(winners) == 1, answers
+        assert winners[0].epoch == previous.epoch + 1
+        continuation = answers[0]
+        if isinstance(continuation, LeaseLostError):
+            assert continuation.reason == "superseded"
+        else:
+            resumed += continuation.outcome == "resumed"
+        previous = winners[0]
+    assert history_epochs(store.engine, name) == list(range(1, 42))
+    assert resumed, "the continuation never won a round"

@@ -363,6 +363,36 @@ def test_a_fence_waiting_behind_an_acquisition_judges_what_it_left(
     assert (run.stale_holder, run.reason) == ("H", caught.value.reason)
 
 
+def test_a_fence_reads_the_clock_after_waiting_for_the_lease_row(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """Another session locks the lease row, changes nothing, and lets go only once the lease has
+    expired: the fence waiting behind it must judge expiry by the clock read after the wait.
+    Only the database's own clock can move during a lock wait, so this test gives the lease a
+    one-second TTL and waits for the database to say it has passed."""
+    stale = acquire(store, "H", ttl=1)
+    with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as blocker:
+        transaction = blocker.begin()
+        blocker.execute(
+            sa.text("SELECT 1 FROM celery_fence.leases WHERE name = :n FOR NO KEY UPDATE"),
+            {"n": NAME},
+        )
+        h_done, _ = blocked_write(pool, protected, guarded(store, stale, "H"))
+        expired = sa.text(
+            "SELECT expires_at <= clock_timestamp() FROM celery_fence.leases WHERE name = :n"
+        )
+        deadline = time.monotonic() + WAIT
+        while not blocker.execute(expired, {"n": NAME}).scalar_one():
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.02)
+        transaction.rollback()
+        with pytest.raises(StaleEpochError) as caught:
+            h_done.result(timeout=WAIT)
+    assert caught.value.reason == "expired"
+    assert committed_values(protected) == ["initial"]
+    assert [run.reason for run in store.stale_runs()] == ["expired"]
+
+
 def test_a_rejection_caught_inside_the_transaction_still_rolls_it_back(
     store: LeaseStore, protected: Engine, expire_lease: Expire
 ) -> None:
@@ -431,6 +461,36 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert committed_values(protected) == ["initial", "H"]
     assert [entry.epoch for entry in store.history(NAME)] == [stale.epoch]
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+
+def test_acquirers_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """The first acquirer waits on the row, the others for the first one's transaction: each
+    wait takes from one lock timeout, so the last answer comes after about one, not two."""
+    stale = acquire(store, "H")
+    late = [late_store(protected, lock_timeout=0.5).dedicated() for _ in range(3)]
+
+    def attempt(index: int) -> tuple[str, float]:
+        started = time.monotonic()
+        got = late[index].acquire(NAME, holder=f"S{index}", ttl=300, environment=ENVIRONMENT)
+        return got.outcome, time.monotonic() - started
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            holder = FencedHolder(pool, store, stale)
+            answers = [
+                future.result(timeout=WAIT)
+                for future in [pool.submit(attempt, index) for index in range(3)]
+            ]
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+    finally:
+        for other in late:
+            other.dispose()
+    assert [outcome for outcome, _ in answers] == ["busy"] * 3
+    assert max(waited for _, waited in answers) < 0.9, answers
+    assert committed_values(protected) == ["initial", "H"]
 
 
 def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import multiprocessing
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
+from multiprocessing.queues import Queue
 
 import pytest
 import sqlalchemy as sa
@@ -21,6 +24,7 @@ from sqlalchemy.engine import Engine
 
 from celery_fence import (
     Acquisition,
+    ConfigurationError,
     Lease,
     LeaseLostError,
     LeasePausedError,
@@ -473,3 +477,71 @@ def test_python_proof_matches_the_sql_computation(store: LeaseStore, mode: str) 
             {"mode": mode, "name": lease.name},
         ).scalar_one()
     assert proof(lease, mode) == expected  # type: ignore[arg-type]
+
+
+# -- the store's own connections -----------------------------------------------------------------
+
+
+def test_a_protocol_connection_left_out_of_autocommit_is_not_reused(
+    store: LeaseStore, engine: Engine
+) -> None:
+    with store.protocol_connection() as connection:
+        connection.autocommit = False
+        lent = connection.info.backend_pid
+    got = store.acquire(NAME, holder="a", ttl=30)
+    # Committed: another session sees it.
+    with engine.connect() as conn:
+        epoch = conn.execute(
+            sa.text("SELECT epoch FROM celery_fence.leases WHERE name = :n"), {"n": NAME}
+        ).scalar_one()
+    assert got.lease is not None
+    assert epoch == got.lease.epoch
+    with store.protocol_connection() as connection:
+        assert connection.autocommit
+        assert connection.info.backend_pid != lent
+
+
+def test_protocol_calls_beyond_twice_the_pool_size_wait_for_a_connection(engine: Engine) -> None:
+    store = LeaseStore(engine, pool_size=1)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            with store.protocol_connection(), store.protocol_connection():
+                pending = pool.submit(store.owner, NAME)
+                done, _ = wait([pending], timeout=0.5)
+                assert not done
+            assert pending.result(timeout=10) is None
+    finally:
+        store.dispose()
+
+
+def _owner_in_child(store: LeaseStore, answers: Queue[tuple[int, str]]) -> None:
+    with store.protocol_connection() as connection:
+        pid = connection.info.backend_pid
+    owner = store.owner(NAME)
+    answers.put((pid, owner.holder if owner else ""))
+
+
+def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents(
+    store: LeaseStore,
+) -> None:
+    store.acquire(NAME, holder="parent", ttl=30)
+    with store.protocol_connection() as connection:
+        parent_pid = connection.info.backend_pid
+    context = multiprocessing.get_context("fork")
+    answers: Queue[tuple[int, str]] = context.Queue()
+    child = context.Process(target=_owner_in_child, args=(store, answers))
+    child.start()
+    child_pid, holder = answers.get(timeout=30)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert holder == "parent"
+    assert child_pid != parent_pid
+    # The parent's connection survived the child, its use and its exit.
+    with store.protocol_connection() as connection:
+        assert connection.info.backend_pid == parent_pid
+        assert connection.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_store_needs_psycopg() -> None:
+    with pytest.raises(ConfigurationError, match="psycopg 3"):
+        LeaseStore(sa.create_engine("sqlite://"))
