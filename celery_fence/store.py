@@ -144,17 +144,18 @@ class _Connections:
         return connection
 
     def _forget(self) -> None:
-        """In a forked child: set the parent's connections aside and start afresh."""
+        """Set the idle connections aside, unclosed; in a forked child, also start afresh."""
         self._inherited.extend(self._idle)
         self._idle.clear()
-        self._slots = threading.BoundedSemaphore(self._limit)
-        self._pid = os.getpid()
+        if os.getpid() != self._pid:
+            self._slots = threading.BoundedSemaphore(self._limit)
+            self._pid = os.getpid()
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
         if os.getpid() != self._pid:
             self._forget()
-        slots = self._slots
+        slots, pid = self._slots, self._pid
         if not slots.acquire(timeout=self._timeout):
             raise FenceDatabaseError(
                 f"all {self._limit} protocol connections stayed busy for {self._timeout:g} s"
@@ -167,7 +168,10 @@ class _Connections:
             try:
                 yield connection
             finally:
-                self._put_back(connection)
+                if os.getpid() == pid:
+                    self._put_back(connection)
+                else:  # forked inside the block: the parent's, not the child's to keep
+                    self._inherited.append(connection)
         finally:
             slots.release()
 

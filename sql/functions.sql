@@ -116,7 +116,7 @@ BEGIN
     -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM set_config(
-            'lock_timeout', (extract(epoch FROM p_lock_timeout) * 1000)::bigint::text, true
+            'lock_timeout', greatest(1, ceil(extract(epoch FROM p_lock_timeout) * 1000))::text, true
         );
     END IF;
     FOR attempt IN 1..5 LOOP
