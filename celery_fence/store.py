@@ -36,6 +36,7 @@ Mode = Literal["join", "resume"]
 
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
+_SERIALIZATION_FAILURE = "40001"
 _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
@@ -537,9 +538,15 @@ class LeaseStore:
         try:
             self._run(dbapi_connection, "fence", params)
         except self._driver_errors as exc:
-            if _sqlstate(exc) != _STALE_EPOCH:
+            reason = self._fence_failure(exc, params)
+            if reason is None:
+                if _sqlstate(exc) == _SERIALIZATION_FAILURE:
+                    raise FenceDatabaseError(
+                        f"fenced write {action!r}: lease {lease.name} was renewed after this "
+                        "transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it is still "
+                        "held: retry the transaction"
+                    ) from exc
                 raise _wrap(exc) from exc
-            reason = str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
             owner = self.owner(lease.name)
             self._record_rejection(lease, reason, action, True)
             raise StaleEpochError(
@@ -551,6 +558,20 @@ class LeaseStore:
                 reason=reason,
             ) from exc
         self.metrics.incr("guard.committed")
+
+    def _fence_failure(self, exc: BaseException, params: Mapping[str, Any]) -> str | None:
+        """Why a fence check failed because its lease is stale, or ``None`` when it failed for
+        anything else."""
+        state = _sqlstate(exc)
+        if state == _STALE_EPOCH:
+            return str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
+        if state == _SERIALIZATION_FAILURE:
+            # Under REPEATABLE READ or SERIALIZABLE, locking a lease row changed since the
+            # transaction's snapshot fails before any judgement: judge it afresh.
+            (row,) = self._rows("stale_reason", params)
+            reason: str | None = row["reason"]
+            return reason
+        return None
 
     def record_stale_run(
         self,
@@ -735,7 +756,7 @@ class LeaseStore:
             deadline=started + trusted_for,
         )
 
-    def _rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def _rows(self, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Run a named query in autocommit on a pooled connection; wrap driver errors."""
         try:
             with self._connections.connection() as connection:
@@ -761,7 +782,7 @@ class LeaseStore:
         finally:
             cursor.close()
 
-    def _call(self, query: str, params: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, query: str, params: Mapping[str, Any]) -> dict[str, Any]:
         """Like :meth:`_rows` for a query that answers exactly one row."""
         rows = self._rows(query, params)
         if len(rows) != 1:

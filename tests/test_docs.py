@@ -52,6 +52,7 @@ from pathlib import Path
 from types import FunctionType
 from typing import Any
 
+import kombu
 import pytest
 from celery import Celery
 from sqlalchemy.engine import Engine, make_url
@@ -430,6 +431,10 @@ def page_env(database_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, st
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONUNBUFFERED="1",
     )
+    # kombu's SQLAlchemy transport creates its tables when a process first uses it and does not
+    # retry a concurrent creation: make them before a page's worker and client race to.
+    with kombu.Connection(env["CELERY_BROKER_URL"]) as broker:
+        broker.default_channel.session.close()
     return env
 
 

@@ -20,7 +20,7 @@ from freezegun import freeze_time
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from celery_fence import Lease, LeaseStore, StaleEpochError
+from celery_fence import FenceDatabaseError, Lease, LeaseStore, StaleEpochError
 from celery_fence.store import Executor
 
 NAME = "release:prod"
@@ -391,6 +391,55 @@ def test_a_fence_reads_the_clock_after_waiting_for_the_lease_row(
     assert caught.value.reason == "expired"
     assert committed_values(protected) == ["initial"]
     assert [run.reason for run in store.stale_runs()] == ["expired"]
+
+
+SNAPSHOTS = ["REPEATABLE READ", "SERIALIZABLE"]
+
+
+def write_meanwhile(
+    store: LeaseStore, lease: Lease, conn: sa.Connection, meanwhile: Callable[[], object]
+) -> None:
+    """A guarded write in a transaction of its own on ``conn``: the write takes the snapshot,
+    then ``meanwhile`` happens elsewhere, then the fence check runs."""
+    with conn.begin(), store.guard(lease, conn, action="write H"):
+        conn.execute(UPDATE, {"value": "H"})
+        meanwhile()
+
+
+@pytest.mark.parametrize("isolation", SNAPSHOTS)
+def test_a_stale_write_under_snapshot_isolation_is_rejected_and_recorded(
+    store: LeaseStore, protected: Engine, expire_lease: Expire, isolation: str
+) -> None:
+    """The successor's epoch came after the transaction's snapshot: locking the lease row fails
+    with a serialization error, which the guard judges afresh as the stale run it is."""
+    stale = acquire(store, "H")
+
+    def successor() -> None:
+        expire_lease(NAME)
+        assert store.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+    with protected.connect() as conn, pytest.raises(StaleEpochError) as caught:
+        write_meanwhile(store, stale, conn.execution_options(isolation_level=isolation), successor)
+    assert caught.value.reason == "superseded"
+    assert caught.value.owner is not None
+    assert caught.value.owner.holder == "S"
+    assert committed_values(protected) == ["initial"]
+    assert [(run.stale_holder, run.reason) for run in store.stale_runs()] == [("H", "superseded")]
+
+
+@pytest.mark.parametrize("isolation", SNAPSHOTS)
+def test_a_renewal_after_the_snapshot_asks_for_a_retry_not_a_rejection(
+    store: LeaseStore, protected: Engine, isolation: str
+) -> None:
+    leases = [acquire(store, "H")]
+    with protected.connect() as conn:
+        conn.execution_options(isolation_level=isolation)
+        with pytest.raises(FenceDatabaseError, match="still held: retry the transaction"):
+            write_meanwhile(store, leases[0], conn, lambda: leases.append(store.renew(leases[0])))
+        # The retry, with no renewal in between, commits.
+        write_meanwhile(store, leases[-1], conn, lambda: None)
+    assert committed_values(protected) == ["initial", "H"]
+    assert store.stale_runs() == []
 
 
 def test_a_rejection_caught_inside_the_transaction_still_rolls_it_back(
