@@ -66,6 +66,10 @@ def config_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     plan_every = float(environ.get("EXAMPLE_APP_PLAN_EVERY", DEFAULT_PLAN_EVERY))
     conf: dict[str, Any] = {
         "broker_url": broker_url,
+        # filesystem://: kombu's transport, with whole-message writes (see example_app.broker).
+        "broker_transport": (
+            "example_app.broker:Transport" if broker_url.startswith("filesystem://") else None
+        ),
         "broker_transport_options": transport_options(
             broker_url, environ.get("CELERY_FENCE_BROKER_FOLDER")
         ),

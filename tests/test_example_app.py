@@ -3,6 +3,7 @@ demo end to end in real processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
+import kombu
 import pytest
 import redis
 import sqlalchemy as sa
@@ -137,6 +139,42 @@ def test_filesystem_broker_needs_a_folder(tmp_path: Path) -> None:
     )
     options = conf["broker_transport_options"]
     assert options["data_folder_in"] == options["data_folder_out"] == str(tmp_path / "messages")
+    assert conf["broker_transport"] == "example_app.broker:Transport"
+
+
+def test_a_filesystem_message_appears_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each message is written in full under a name consumers ignore, then renamed into place
+    (atomic within a folder), so a consumer never finds a message file still being written; and
+    a consumer gets every message (kombu orders messages of the same millisecond at random)."""
+    folder = tmp_path / "messages"
+    folder.mkdir()
+    renamed: list[str] = []
+    rename = os.replace
+
+    def replace(source: str, destination: str) -> None:
+        assert Path(source).name.startswith(".")  # kombu's consumers pass it by
+        assert not Path(destination).exists()
+        renamed.append(json.loads(Path(source).read_bytes())["body"])
+        rename(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    with kombu.Connection(
+        "filesystem://", transport="example_app.broker:Transport", transport_options=options
+    ) as connection:
+        queue = connection.SimpleQueue("whole")
+        for number in range(20):
+            queue.put(number)
+        assert [path.name for path in folder.iterdir() if path.name.startswith(".")] == []
+        received = []
+        for _ in range(20):
+            message = queue.get(timeout=5)
+            message.ack()
+            received.append(message.payload)
+    assert len(renamed) == 20
+    assert sorted(received) == list(range(20))
 
 
 # -- seed and retention planning -------------------------------------------------------------
