@@ -757,7 +757,8 @@ class LeaseStore:
         )
 
     def _rows(self, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """Run a named query in autocommit on a pooled connection; wrap driver errors."""
+        """Run a named query in autocommit on one of the store's own connections; wrap driver
+        errors."""
         try:
             with self._connections.connection() as connection:
                 return self._run(connection, query, params)
