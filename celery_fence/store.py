@@ -567,8 +567,9 @@ class LeaseStore:
             return str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
         if state == _SERIALIZATION_FAILURE:
             # Under REPEATABLE READ or SERIALIZABLE, locking a lease row changed since the
-            # transaction's snapshot fails before any judgement: judge it afresh.
-            (row,) = self._rows("stale_reason", params)
+            # transaction's snapshot fails before any judgement: judge it afresh, on the
+            # store's own connection.
+            (row,) = self._rows("check_fence", params)
             reason: str | None = row["reason"]
             return reason
         return None

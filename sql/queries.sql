@@ -37,13 +37,6 @@ LEFT JOIN LATERAL (
     SELECT l FROM celery_fence.leases l WHERE l.name = :name FOR SHARE
 ) AS f ON true
 
--- name: stale_reason
-SELECT celery_fence.stale_reason(
-    l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
-) AS reason
-FROM (VALUES (1)) AS one (x)
-LEFT JOIN celery_fence.leases l ON l.name = :name
-
 -- name: check_fence
 SELECT * FROM celery_fence.check_fence(:name, :epoch, :token, :now)
 
