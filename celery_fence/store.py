@@ -118,18 +118,20 @@ class _Statement:
 
 
 class _Connections:
-    """The store's own autocommit DB-API connections for protocol calls, opened through the
-    engine's dialect from ``engine.url``. The idle ones wait on a stack, the most recently used
-    on top, at most ``keep`` of them; more are opened while all are busy, up to ``limit`` open
-    at once, beyond which a caller waits up to ``timeout`` seconds for one to come back. A
-    protocol call is one statement, so a pool's checkout and reset would cost more than the
-    call's own work here. A forked child keeps its parent's connections referenced, unused and
-    open, so that neither closing nor collecting them touches the parent's sessions, and opens
-    its own."""
+    """The store's own autocommit DB-API connections for protocol calls. Each is opened as the
+    engine opens its own (its creator, with ``connect_args`` and ``do_connect`` and ``connect``
+    listeners), through a pool recreated from the engine's and detached from it at once: a pool
+    exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
+    recently used on top, at most ``keep`` of them; more are opened while all are busy, up to
+    ``limit`` open at once, beyond which a caller waits up to ``timeout`` seconds for one to come
+    back. A protocol call is one statement, so a pool's checkout and reset would cost more than
+    the call's own work here. A forked child keeps its parent's connections referenced, unused
+    and open, so that neither closing nor collecting them touches the parent's sessions, and
+    opens its own."""
 
     def __init__(self, engine: Engine, *, keep: int, limit: int, timeout: float = 30.0) -> None:
         self._dialect = engine.dialect
-        self._args = self._dialect.create_connect_args(engine.url)
+        self._pool = engine.pool.recreate()
         self._keep = keep
         self._limit = limit
         self._timeout = timeout
@@ -139,8 +141,10 @@ class _Connections:
         self._pid = os.getpid()
 
     def _open(self) -> Any:
-        cargs, cparams = self._args
-        connection = self._dialect.connect(*cargs, **cparams)
+        pooled = self._pool.connect()
+        pooled.detach()
+        connection = pooled.dbapi_connection
+        assert connection is not None  # a connection just checked out is open
         self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
         return connection
 
@@ -227,8 +231,9 @@ class LeaseStore:
     acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
     could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
-    on connections of the store's own, opened from ``engine.url``: up to ``pool_size`` kept open
-    between calls, up to twice as many at once. Fenced writes run on the caller's connection.
+    on connections of the store's own, opened as ``engine`` opens its own (outside its pool): up
+    to ``pool_size`` kept open between calls, up to twice as many at once. Fenced writes run on
+    the caller's connection.
     """
 
     def __init__(

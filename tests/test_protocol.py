@@ -10,17 +10,19 @@ import dataclasses
 import hashlib
 import hmac
 import multiprocessing
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
 from multiprocessing.queues import Queue
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from freezegun import freeze_time
 from freezegun.api import FrozenDateTimeFactory
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 from celery_fence import (
     Acquisition,
@@ -545,3 +547,44 @@ def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents(
 def test_a_store_needs_psycopg() -> None:
     with pytest.raises(ConfigurationError, match="psycopg 3"):
         LeaseStore(sa.create_engine("sqlite://"))
+
+
+def test_protocol_connections_are_opened_as_the_engine_opens_its_own(database_url: str) -> None:
+    # The URL names no database that exists: the engine's connect_args name the real one, and a
+    # connect listener sets a marker. Both must reach the store's own connections.
+    url = make_url(database_url)
+    engine = sa.create_engine(
+        url.set(database="celery_fence_no_such_database"),
+        connect_args={"dbname": url.database, "application_name": "fence-connect-args"},
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _mark(dbapi_connection: Any, _record: Any) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET celery_fence_test.marker = 'from-listener'")
+        dbapi_connection.commit()
+
+    store = LeaseStore(engine)
+    try:
+        got = store.acquire(NAME, holder="a", ttl=30)
+        assert got.acquired
+        with store.protocol_connection() as connection:
+            settings = connection.execute(
+                "SELECT current_database(), current_setting('application_name'), "
+                "current_setting('celery_fence_test.marker')"
+            ).fetchone()
+        assert settings == (url.database, "fence-connect-args", "from-listener")
+    finally:
+        store.dispose()
+
+
+def test_protocol_calls_do_not_wait_for_an_exhausted_engine_pool(database_url: str) -> None:
+    engine = sa.create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=30)
+    store = LeaseStore(engine)
+    try:
+        with engine.connect():  # the engine's only connection, busy with the work
+            started = time.monotonic()
+            assert store.acquire(NAME, holder="a", ttl=30).acquired
+            assert time.monotonic() - started < 5
+    finally:
+        store.dispose()
