@@ -328,6 +328,13 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 )
 @click.option("--purpose", default="", help="What the lease is for (shown to other holders).")
 @click.option(
+    "--wait",
+    type=float,
+    default=0,
+    metavar="SECONDS",
+    help="Keep trying this long while another holder has the lease; its release wakes the wait.",
+)
+@click.option(
     "--start-barrier",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     metavar="DIR",
@@ -341,9 +348,10 @@ def acquire(
     ttl: float,
     max_hold: float | None,
     purpose: str,
+    wait: float,
     start_barrier: Path | None,
 ) -> None:
-    """Try once to take lease NAME; print the answer as JSON.
+    """Try to take lease NAME (once, or for up to --wait seconds); print the answer as JSON.
 
     The winner's answer carries the lease with its token (keep it: renew and release need it).
     A loser's answer carries the current owner, never a token. Exit 0 when acquired, 3 when
@@ -353,7 +361,9 @@ def acquire(
     if start_barrier is not None:
         _line_up(store, name, start_barrier)
     try:
-        got = store.acquire(name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose)
+        got = store.acquire(
+            name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose, wait=wait
+        )
     except LeasePausedError as exc:
         got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
     echo_json(acquisition_dict(got))

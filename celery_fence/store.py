@@ -11,7 +11,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -37,6 +37,11 @@ Mode = Literal["join", "resume"]
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
+# What celery_fence.release() notifies, with the lease's name as payload.
+_RELEASED_CHANNEL = "celery_fence_released"
+#: A waiting acquisition looks again at least this often (seconds), notified or not: a lease
+#: that runs out, rather than being released, sends no notification.
+RECHECK_INTERVAL = 1.0
 _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
@@ -343,12 +348,18 @@ class LeaseStore:
         environment: str | None = None,
         max_hold: float | None = None,
         purpose: str = "",
+        wait: float = 0,
     ) -> Acquisition:
-        """Try once to take the lease. Raises :class:`LeasePausedError` on a paused lease.
+        """Try to take the lease. Raises :class:`LeasePausedError` on a paused lease.
 
         ``acquired`` is true only for the winner, whose lease carries a new epoch. A loser's
         ``owner`` is the current owner as committed at the moment of the decision; ``outcome``
         is ``"busy"`` when fenced writers kept the row locked past ``lock_timeout``.
+
+        ``wait`` (seconds) keeps trying that long while the lease is held or busy: the holder's
+        release wakes the waiter at once (``LISTEN celery_fence_released``), and it looks again
+        when the owner's lease should run out and at least every ``RECHECK_INTERVAL`` seconds.
+        The last answer is returned when the time is up.
         """
         ttl_seconds = self._ttl(ttl)
         params = {
@@ -363,16 +374,21 @@ class LeaseStore:
             "lock_timeout": self.lock_timeout,
             "now": self._now(),
         }
+        if wait:
+            return self._acquire_waiting(
+                validation.check_seconds(wait, "wait", maximum=validation.MAX_HOLD_SECONDS),
+                name=name,
+                holder=holder,
+                ttl=ttl,
+                environment=environment,
+                max_hold=max_hold,
+                purpose=purpose,
+            )
         started = time.monotonic()
         try:
             row = self._call("acquire", params)
         except FenceDatabaseError as exc:
-            if exc.__cause__ is None or _sqlstate(exc.__cause__) != _LOCK_NOT_AVAILABLE:
-                raise
-            owner = self.owner(name)
-            self.metrics.incr("acquire.busy")
-            log.info("lease %s busy: row locked by fenced writers", name, extra={"lease": name})
-            return Acquisition(outcome="busy", lease=None, owner=owner)
+            return self._busy(name, exc, "acquire")
         outcome = row["outcome"]
         self.metrics.incr(f"acquire.{outcome}")
         owner = _owner(row)
@@ -394,6 +410,54 @@ class LeaseStore:
                 extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
             )
         return Acquisition(outcome=outcome, lease=lease, owner=owner)
+
+    def _acquire_waiting(self, wait: float, **arguments: Any) -> Acquisition:
+        """Acquire, waiting up to ``wait`` seconds; listens on a connection of the store's own
+        for the block, and leaves it listening to nothing."""
+        deadline = time.monotonic() + wait
+        name = arguments["name"]
+        with self._connections.connection() as listener:
+            try:
+                listener.execute(f"LISTEN {_RELEASED_CHANNEL}")
+                try:
+                    while True:
+                        got = self.acquire(**arguments)
+                        left = deadline - time.monotonic()
+                        if got.acquired or left <= 0:
+                            return got
+                        for notice in listener.notifies(timeout=self._pause(got, left)):
+                            if notice.payload == name:
+                                break
+                finally:
+                    listener.execute(f"UNLISTEN {_RELEASED_CHANNEL}")
+            except self._driver_errors as exc:
+                listener.close()  # not handed out again, still listening or broken
+                raise _wrap(exc) from exc
+
+    def _pause(self, got: Acquisition, left: float) -> float:
+        """How long a waiting acquisition sleeps unless notified: until the owner's lease should
+        run out (by the store's clock, else this host's), at most ``RECHECK_INTERVAL`` and what
+        is left of the wait."""
+        pause = min(left, RECHECK_INTERVAL)
+        if got.owner is not None and got.outcome == "held":
+            now = self.clock() if self.clock is not None else datetime.now(timezone.utc)
+            pause = min(pause, max((got.owner.expires_at - now).total_seconds(), 0.05))
+        return pause
+
+    def _busy(self, name: str, error: FenceDatabaseError, call: str) -> Acquisition:
+        """The answer to a call that waited past ``lock_timeout`` for the lease's row; any other
+        database error is raised again."""
+        if error.__cause__ is None or _sqlstate(error.__cause__) != _LOCK_NOT_AVAILABLE:
+            raise error
+        owner = self.owner(name)
+        self.metrics.incr(f"{call}.busy")
+        log.info(
+            "lease %s busy: %s waited past lock_timeout behind fenced writers",
+            name,
+            call,
+            extra={"lease": name},
+        )
+        return Acquisition(outcome="busy", lease=None, owner=owner)
 
     def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
         """Extend the lease (never its epoch, never past its maximum hold).
@@ -463,6 +527,10 @@ class LeaseStore:
         call took it over at the next epoch, with a new token and a new hold window, after a
         release or expiry with no newer epoch. Either way the caller releases it when done.
 
+        ``outcome`` is ``"busy"`` (no lease) when a resume waited for the lease's row longer
+        than ``lock_timeout`` (fenced writers held it): nothing was decided, and the same call
+        may be made again later.
+
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
         proof does not match; the database records the stale run."""
         try:
@@ -470,21 +538,24 @@ class LeaseStore:
         except ValueError as exc:
             raise ConfigurationError(f"proof must be hex, got {proof!r}") from exc
         ttl_seconds = self._ttl(ttl)
+        name = validation.check_name(name)
+        params = {
+            "name": name,
+            "epoch": epoch,
+            "holder": validation.check_holder(holder),
+            "mode": mode,
+            "proof": proof_bytes,
+            "ttl": ttl_seconds,
+            "action": self._action(action),
+            "enforced": enforce,
+            "now": self._now(),
+            "lock_timeout": self.lock_timeout,
+        }
         started = time.monotonic()
-        row = self._call(
-            "rejoin",
-            {
-                "name": validation.check_name(name),
-                "epoch": epoch,
-                "holder": validation.check_holder(holder),
-                "mode": mode,
-                "proof": proof_bytes,
-                "ttl": ttl_seconds,
-                "action": self._action(action),
-                "enforced": enforce,
-                "now": self._now(),
-            },
-        )
+        try:
+            row = self._call("rejoin", params)
+        except FenceDatabaseError as exc:
+            return self._busy(name, exc, "rejoin")
         if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(name, epoch, holder, row, action, enforce)
         return Acquisition(

@@ -72,6 +72,18 @@ RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
     SELECT hashtextextended(p_name, 7161677110969590627)
 $$;
 
+-- Sets lock_timeout for the rest of the transaction (or of the calling function, whose SET
+-- clause restores it): a wait rounded up to whole milliseconds, so that a timeout below 1 ms is
+-- 1 ms, not "no timeout" (0).
+CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(p_wait interval)
+RETURNS text LANGUAGE sql VOLATILE AS $$
+    SELECT set_config(
+        'lock_timeout',
+        greatest(1, ceil(extract(epoch FROM coalesce(p_wait, interval '2 seconds')) * 1000))::text,
+        true
+    )
+$$;
+
 CREATE OR REPLACE FUNCTION celery_fence.record_stale_run(
     p_name text, p_epoch bigint, p_holder text, p_reason text, p_action text,
     p_environment text DEFAULT NULL, p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -115,9 +127,7 @@ BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
     -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
     IF p_lock_timeout <> interval '2 seconds' THEN
-        PERFORM set_config(
-            'lock_timeout', greatest(1, ceil(extract(epoch FROM p_lock_timeout) * 1000))::text, true
-        );
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
     FOR attempt IN 1..5 LOOP
         -- Look before locking: a valid or paused lease is answered without writing anything.
@@ -139,9 +149,10 @@ BEGIN
                 v_waited_from := clock_timestamp();
                 PERFORM pg_advisory_xact_lock_shared(celery_fence.acquire_key(p_name));
                 -- Whatever lock wait follows gets what is left of the timeout, not all of it.
-                PERFORM set_config('lock_timeout', greatest(1, ceil(extract(epoch FROM
+                PERFORM celery_fence.bound_lock_wait(
                     coalesce(p_lock_timeout, interval '2 seconds')
-                    - (clock_timestamp() - v_waited_from)) * 1000))::text, true);
+                    - (clock_timestamp() - v_waited_from)
+                );
                 CONTINUE;
             END IF;
             -- The lease looked free: take over the epoch looked at, and only that one. The
@@ -354,8 +365,12 @@ $$;
 -- lease that is still held, without extending or releasing it. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
-    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds'
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+-- As in acquire: a resume waits for the lease's key and row at most this long (lock_not_available).
+SET lock_timeout = '2s'
+AS $$
 DECLARE
     v_row celery_fence.leases;
     v_reason text;
@@ -368,6 +383,9 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_mode = 'resume' THEN
+        IF p_lock_timeout <> interval '2 seconds' THEN
+            PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+        END IF;
         -- The lease's key, then its row: the order acquire takes them in, so that a take-over
         -- through acquire below never waits for the key while holding the row.
         PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
@@ -401,7 +419,7 @@ BEGIN
         v_answer := celery_fence.acquire(
             p_name, v_row.environment, p_holder, p_ttl,
             greatest(p_ttl, v_row.hold_until - v_row.acquired_at), v_row.purpose,
-            p_now => p_now
+            p_lock_timeout => p_lock_timeout, p_now => p_now
         );
         v_answer.outcome := CASE WHEN v_answer.outcome = 'acquired' THEN 'resumed' ELSE 'lost' END;
         RETURN v_answer;

@@ -16,7 +16,8 @@ SELECT * FROM celery_fence.release(:name, :epoch, :token, :holder, :enforced, :n
 
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(
-    :name, :epoch, :holder, :mode, :proof, make_interval(secs => :ttl), :action, :enforced, :now
+    :name, :epoch, :holder, :mode, :proof, make_interval(secs => :ttl), :action, :enforced, :now,
+    make_interval(secs => :lock_timeout)
 )
 
 -- name: fence

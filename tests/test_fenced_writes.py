@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from celery_fence import FenceDatabaseError, Lease, LeaseStore, StaleEpochError
-from celery_fence.store import Executor
+from celery_fence.store import Executor, proof
 
 NAME = "release:prod"
 ENVIRONMENT = "prod"
@@ -510,6 +510,51 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert committed_values(protected) == ["initial", "H"]
     assert [entry.epoch for entry in store.history(NAME)] == [stale.epoch]
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+
+def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
+    store: LeaseStore, protected: Engine
+) -> None:
+    held = acquire(store, "H")
+    other = LeaseStore(protected, lock_timeout=0.2)
+
+    def resume() -> tuple[str, float]:
+        started = time.monotonic()
+        got = other.rejoin(
+            NAME,
+            epoch=held.epoch,
+            holder=held.holder,
+            mode="resume",
+            proof=proof(held, "resume"),
+            ttl=30,
+            action="start child",
+        )
+        return got.outcome, time.monotonic() - started
+
+    def sharers() -> int:
+        with protected.connect() as conn:
+            return int(
+                conn.execute(
+                    sa.text("SELECT sharers FROM celery_fence.leases WHERE name = :n"), {"n": NAME}
+                ).scalar_one()
+            )
+
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            holder = FencedHolder(pool, store, held)
+            outcome, waited = resume()
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+        assert outcome == "busy"
+        assert 0.2 <= waited < 2
+        assert other.metrics.get("rejoin.busy") == 1
+        # Nothing was decided: no stale run, no sharer added; once H committed, it joins.
+        assert store.stale_runs(environment=ENVIRONMENT) == []
+        assert sharers() == 1
+        assert resume()[0] == "joined"
+        assert sharers() == 2
+    finally:
+        other.dispose()
 
 
 def test_acquirers_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(

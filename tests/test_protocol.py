@@ -13,7 +13,7 @@ import multiprocessing
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from datetime import datetime, timedelta, timezone
 from multiprocessing.queues import Queue
 from typing import Any
@@ -588,3 +588,93 @@ def test_protocol_calls_do_not_wait_for_an_exhausted_engine_pool(database_url: s
             assert time.monotonic() - started < 5
     finally:
         store.dispose()
+
+
+# -- waiting for a lease ---------------------------------------------------------------------
+
+
+def listening_channels(store: LeaseStore) -> list[str]:
+    """The channels the store's most recently used connection listens on."""
+    with store.protocol_connection() as connection:
+        return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
+
+
+def wait_in_background(
+    pool: ThreadPoolExecutor, waiter: LeaseStore, wait: float
+) -> Future[Acquisition]:
+    """Start ``waiter`` waiting for NAME; return once it has found the lease held and listens."""
+    future = pool.submit(waiter.acquire, NAME, holder="b", ttl=60, wait=wait)
+    deadline = time.monotonic() + 30
+    while not waiter.metrics.get("acquire.held"):
+        assert not future.done(), future.result()
+        assert time.monotonic() < deadline, "the waiter never found the lease held"
+        time.sleep(0.01)
+    return future
+
+
+def test_a_waiting_acquisition_takes_the_lease_as_its_holder_releases(
+    store: LeaseStore, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the release's notification can wake the waiter within the test's bound.
+    monkeypatch.setattr("celery_fence.store.RECHECK_INTERVAL", 120.0)
+    held = store.acquire(NAME, holder="a", ttl=60).lease
+    assert held is not None
+    waiter = LeaseStore(engine)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = wait_in_background(pool, waiter, wait=60)
+            store.release(held)
+            released = time.monotonic()
+            got = future.result(timeout=30)
+            woke_after = time.monotonic() - released
+        assert got.lease is not None
+        assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
+        assert woke_after < 10
+        assert listening_channels(waiter) == []
+    finally:
+        waiter.dispose()
+
+
+def test_a_waiting_acquisition_takes_a_lease_that_ran_out(
+    store: LeaseStore, engine: Engine, expire_lease: Callable[[str], None]
+) -> None:
+    held = store.acquire(NAME, holder="a", ttl=60).lease
+    assert held is not None
+    waiter = LeaseStore(engine)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            future = wait_in_background(pool, waiter, wait=60)
+            # No release, so no notification: the waiter's next look finds the lease expired.
+            expire_lease(NAME)
+            got = future.result(timeout=30)
+        assert got.lease is not None
+        assert got.lease.epoch == held.epoch + 1
+        [ended] = [entry for entry in store.history(NAME) if entry.epoch == held.epoch]
+        assert ended.end_reason == "expired"
+    finally:
+        waiter.dispose()
+
+
+def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(
+    store: LeaseStore, engine: Engine
+) -> None:
+    held = store.acquire(NAME, holder="a", ttl=60).lease
+    assert held is not None
+    started = time.monotonic()
+    got = store.acquire(NAME, holder="b", ttl=60, wait=0.3)
+    waited = time.monotonic() - started
+    assert (got.outcome, got.lease) == ("held", None)
+    assert got.owner is not None
+    assert (got.owner.holder, got.owner.epoch) == ("a", held.epoch)
+    assert 0.3 <= waited < 5
+    assert listening_channels(store) == []
+
+
+def test_a_waiting_acquisition_of_a_paused_lease_raises_at_once(store: LeaseStore) -> None:
+    store.acquire(NAME, holder="a", ttl=60)
+    store.pause(NAME, reason="incident 42", by="ops")
+    started = time.monotonic()
+    with pytest.raises(LeasePausedError, match="incident 42"):
+        store.acquire(NAME, holder="b", ttl=60, wait=30)
+    assert time.monotonic() - started < 5
+    assert listening_channels(store) == []

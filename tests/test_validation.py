@@ -86,6 +86,13 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "acquire max_hold below ttl": acquire(ttl=10, max_hold=5),
     "acquire max_hold nan": acquire(max_hold=math.nan),
     "acquire max_hold over 7 days": acquire(max_hold=7 * 86_400 + 1),
+    **{
+        f"acquire wait {k}": acquire(wait=v)
+        for k, v in BAD_SECONDS.items()
+        if k not in ("zero", "over max_ttl")
+    },
+    "acquire wait over 7 days": acquire(wait=7 * 86_400 + 1),
+    "acquire wait with a bad name": acquire(wait=5, name=""),
     **{f"renew ttl {k}": renew(v) for k, v in BAD_SECONDS.items()},
     "guard action empty": guard(""),
     "guard action newline": guard("publish\nmanifest"),

@@ -32,7 +32,7 @@ from celery_fence.keeper import LeaseKeeper
 from celery_fence.store import Mode
 
 if TYPE_CHECKING:
-    from conftest import StartWorker, Wait
+    from conftest import Probe, StartWorker, Wait
 
 NAME = "release:prod"
 HOLDER = "release-job@test"
@@ -197,6 +197,37 @@ def test_a_continuation_while_held_joins_and_the_last_sharer_releases(store: Lea
     assert (owner.epoch, owner.state) == (1, "released")
     [entry] = store.history(NAME)
     assert entry.end_reason == "released"
+
+
+def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
+    app: Celery,
+    fence: Fence,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    engine: Engine,
+    wait: Wait,
+) -> None:
+    app.conf.fence_lock_timeout = 0.2
+    publish = probe(on_busy="skip")
+    held = take(store)
+    header = FenceHeader.for_lease(held, "resume").to_message()
+    with worker():
+        # A fenced writer of the holder between its check and its commit: the lease row is
+        # locked FOR SHARE, so a resume cannot lock it to join.
+        with engine.begin() as conn:
+            with store.guard(held, conn, action="publish manifest"):
+                pass  # the check runs as the block ends, in the transaction left open
+            result = publish.task.apply_async(("prod",), headers={HEADER: header})
+            assert wait.finished(result) == SKIPPED
+        assert not publish.ran.is_set()
+        assert result.info["reason"] == "busy"
+        assert fence.store.metrics.get("rejoin.busy") == 1
+        # Nothing was recorded against the holder; once its write committed, a continuation joins.
+        assert store.stale_runs() == []
+        again = publish.task.apply_async(("prod",), headers={HEADER: header})
+        assert wait.finished(again) == states.SUCCESS
+    assert publish.ran.is_set()
 
 
 def test_a_run_dispatched_by_beat_passes_no_header_on(

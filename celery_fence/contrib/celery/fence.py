@@ -379,18 +379,7 @@ class Fence:
         except LeasePausedError as exc:
             got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
         if got.lease is None:
-            if not enforced:
-                log.warning(
-                    "shadow mode: %s would have been refused lease %s (%s); running anyway",
-                    task.name,
-                    name,
-                    got.outcome,
-                    extra={"lease": name, "outcome": got.outcome},
-                )
-                self.store.metrics.incr(f"shadow.{got.outcome}")
-                return FencedRun(store=self.store, mode="owner", enforced=False)
-            task.refuse(name, got)
-        assert got.lease is not None
+            return self._refused(task, name, got, enforced, "owner")
         keeper = LeaseKeeper(
             got.lease,
             self.keeper_store.renew,
@@ -404,6 +393,23 @@ class Fence:
             release_at_end=True,
             min_hold=task.fence_min_hold,
         )
+
+    def _refused(
+        self, task: FencedTask, name: str, got: Acquisition, enforced: bool, mode: RunMode
+    ) -> FencedRun:
+        """A run the lease was refused to: the task's busy policy applies, or, in shadow mode,
+        the run goes ahead unfenced, logged and counted."""
+        if enforced:
+            task.refuse(name, got)
+        log.warning(
+            "shadow mode: %s would have been refused lease %s (%s); running anyway",
+            task.name,
+            name,
+            got.outcome,
+            extra={"lease": name, "outcome": got.outcome},
+        )
+        self.store.metrics.incr(f"shadow.{got.outcome}")
+        return FencedRun(store=self.store, mode=mode, enforced=False)
 
     def _continue(
         self,
@@ -459,7 +465,8 @@ class Fence:
                 if enforced
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
-        assert got.lease is not None
+        if got.lease is None:  # a resume kept waiting past lock_timeout by fenced writers
+            return self._refused(task, header.lease, got, enforced, "resume")
         if header.mode == "join":
             keeper_store = self.keeper_store
 
@@ -561,7 +568,7 @@ class FencedTask(Task):  # type: ignore[misc]
                 f"{max_hold:g}s, so the lease would end before the task could"
             )
 
-    def refuse(self, name: str, got: Acquisition) -> None:
+    def refuse(self, name: str, got: Acquisition) -> NoReturn:
         """Apply the busy policy to a refused acquisition: skip, retry or raise."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
