@@ -599,6 +599,20 @@ def listening_channels(store: LeaseStore) -> list[str]:
         return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
 
 
+@pytest.fixture
+def waiter(engine: Engine) -> Iterator[LeaseStore]:
+    """A second store, for a caller that waits for the lease."""
+    other = LeaseStore(engine)
+    yield other
+    other.dispose()
+
+
+def held_lease(store: LeaseStore) -> Lease:
+    lease = store.acquire(NAME, holder="a", ttl=60).lease
+    assert lease is not None
+    return lease
+
+
 def wait_in_background(
     pool: ThreadPoolExecutor, waiter: LeaseStore, wait: float
 ) -> Future[Acquisition]:
@@ -613,53 +627,40 @@ def wait_in_background(
 
 
 def test_a_waiting_acquisition_takes_the_lease_as_its_holder_releases(
-    store: LeaseStore, engine: Engine, monkeypatch: pytest.MonkeyPatch
+    store: LeaseStore, waiter: LeaseStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Only the release's notification can wake the waiter within the test's bound.
     monkeypatch.setattr("celery_fence.store.RECHECK_INTERVAL", 120.0)
-    held = store.acquire(NAME, holder="a", ttl=60).lease
-    assert held is not None
-    waiter = LeaseStore(engine)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            future = wait_in_background(pool, waiter, wait=60)
-            store.release(held)
-            released = time.monotonic()
-            got = future.result(timeout=30)
-            woke_after = time.monotonic() - released
-        assert got.lease is not None
-        assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
-        assert woke_after < 10
-        assert listening_channels(waiter) == []
-    finally:
-        waiter.dispose()
+    held = held_lease(store)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = wait_in_background(pool, waiter, wait=60)
+        store.release(held)
+        released = time.monotonic()
+        got = future.result(timeout=30)
+        woke_after = time.monotonic() - released
+    assert got.lease is not None
+    assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
+    assert woke_after < 10
+    assert listening_channels(waiter) == []
 
 
 def test_a_waiting_acquisition_takes_a_lease_that_ran_out(
-    store: LeaseStore, engine: Engine, expire_lease: Callable[[str], None]
+    store: LeaseStore, waiter: LeaseStore, expire_lease: Callable[[str], None]
 ) -> None:
-    held = store.acquire(NAME, holder="a", ttl=60).lease
-    assert held is not None
-    waiter = LeaseStore(engine)
-    try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            future = wait_in_background(pool, waiter, wait=60)
-            # No release, so no notification: the waiter's next look finds the lease expired.
-            expire_lease(NAME)
-            got = future.result(timeout=30)
-        assert got.lease is not None
-        assert got.lease.epoch == held.epoch + 1
-        [ended] = [entry for entry in store.history(NAME) if entry.epoch == held.epoch]
-        assert ended.end_reason == "expired"
-    finally:
-        waiter.dispose()
+    held = held_lease(store)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = wait_in_background(pool, waiter, wait=60)
+        # No release, so no notification: the waiter's next look finds the lease expired.
+        expire_lease(NAME)
+        got = future.result(timeout=30)
+    assert got.lease is not None
+    assert got.lease.epoch == held.epoch + 1
+    [ended] = [entry for entry in store.history(NAME) if entry.epoch == held.epoch]
+    assert ended.end_reason == "expired"
 
 
-def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(
-    store: LeaseStore, engine: Engine
-) -> None:
-    held = store.acquire(NAME, holder="a", ttl=60).lease
-    assert held is not None
+def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(store: LeaseStore) -> None:
+    held = held_lease(store)
     started = time.monotonic()
     got = store.acquire(NAME, holder="b", ttl=60, wait=0.3)
     waited = time.monotonic() - started
