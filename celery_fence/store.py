@@ -11,7 +11,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -125,8 +125,8 @@ class _Statement:
 class _Connections:
     """The store's own autocommit DB-API connections for protocol calls. Each is opened as the
     engine opens its own (its creator, with ``connect_args`` and ``do_connect`` and ``connect``
-    listeners), through a pool recreated from the engine's and detached from it at once: a pool
-    exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
+    listeners), each through a pool recreated from the engine's and detached from it at once: a
+    pool exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
     recently used on top, at most ``keep`` of them; more are opened while all are busy, up to
     ``limit`` open at once, beyond which a caller waits up to ``timeout`` seconds for one to come
     back. A protocol call is one statement, so a pool's checkout and reset would cost more than
@@ -135,8 +135,8 @@ class _Connections:
     opens its own."""
 
     def __init__(self, engine: Engine, *, keep: int, limit: int, timeout: float = 30.0) -> None:
+        self._engine = engine
         self._dialect = engine.dialect
-        self._pool = engine.pool.recreate()
         self._keep = keep
         self._limit = limit
         self._timeout = timeout
@@ -146,12 +146,29 @@ class _Connections:
         self._pid = os.getpid()
 
     def _open(self) -> Any:
-        pooled = self._pool.connect()
+        # A pool of its own for each connection, made from the engine's as it is now (its creator
+        # and listeners) and left at once: the engine's pool, its limits and its other
+        # connections are never involved.
+        pooled = self._engine.pool.recreate().connect()
         pooled.detach()
         connection = pooled.dbapi_connection
         assert connection is not None  # a connection just checked out is open
-        self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
+        try:
+            self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
+        except BaseException:
+            connection.close()
+            raise
         return connection
+
+    @contextmanager
+    def unpooled(self) -> Iterator[Any]:
+        """A connection of its own for the block, outside the stack and its limit; closed
+        after."""
+        connection = self._open()
+        try:
+            yield connection
+        finally:
+            connection.close()
 
     def _forget(self) -> None:
         """Set the idle connections aside, unclosed; in a forked child, also start afresh."""
@@ -356,10 +373,11 @@ class LeaseStore:
         ``owner`` is the current owner as committed at the moment of the decision; ``outcome``
         is ``"busy"`` when fenced writers kept the row locked past ``lock_timeout``.
 
-        ``wait`` (seconds) keeps trying that long while the lease is held or busy: the holder's
-        release wakes the waiter at once (``LISTEN celery_fence_released``), and it looks again
-        when the owner's lease should run out and at least every ``RECHECK_INTERVAL`` seconds.
-        The last answer is returned when the time is up.
+        ``wait`` (seconds) keeps trying that long while the lease is held or busy, and answers
+        the last try when the time is up: the holder's release wakes the waiter at once (it
+        listens on ``celery_fence_released``, on a connection of its own opened for the wait),
+        and it looks again when the owner's lease runs out by the database clock, and at least
+        every ``RECHECK_INTERVAL`` seconds.
         """
         ttl_seconds = self._ttl(ttl)
         params = {
@@ -374,21 +392,22 @@ class LeaseStore:
             "lock_timeout": self.lock_timeout,
             "now": self._now(),
         }
-        if wait:
-            return self._acquire_waiting(
-                validation.check_seconds(wait, "wait", maximum=validation.MAX_HOLD_SECONDS),
-                name=name,
-                holder=holder,
-                ttl=ttl,
-                environment=environment,
-                max_hold=max_hold,
-                purpose=purpose,
-            )
+        if isinstance(wait, bool) or wait != 0:
+            wait = validation.check_seconds(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
+            return self._acquire_waiting(params, ttl_seconds, time.monotonic() + wait)
+        return self._acquire_once(params, ttl_seconds)[0]
+
+    def _acquire_once(
+        self, params: Mapping[str, Any], ttl_seconds: float
+    ) -> tuple[Acquisition, float | None]:
+        """One acquisition: the answer, and how many seconds the lease it names has left by the
+        database clock (``None`` when it names none)."""
+        name = params["name"]
         started = time.monotonic()
         try:
             row = self._call("acquire", params)
         except FenceDatabaseError as exc:
-            return self._busy(name, exc, "acquire")
+            return self._busy(name, exc, "acquire"), None
         outcome = row["outcome"]
         self.metrics.incr(f"acquire.{outcome}")
         owner = _owner(row)
@@ -409,40 +428,40 @@ class LeaseStore:
                 lease.epoch,
                 extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
             )
-        return Acquisition(outcome=outcome, lease=lease, owner=owner)
+        remaining = None if owner is None else float(row["remaining"])
+        return Acquisition(outcome=outcome, lease=lease, owner=owner), remaining
 
-    def _acquire_waiting(self, wait: float, **arguments: Any) -> Acquisition:
-        """Acquire, waiting up to ``wait`` seconds; listens on a connection of the store's own
-        for the block, and leaves it listening to nothing."""
-        deadline = time.monotonic() + wait
-        name = arguments["name"]
-        with self._connections.connection() as listener:
-            try:
+    def _acquire_waiting(
+        self, params: Mapping[str, Any], ttl_seconds: float, deadline: float
+    ) -> Acquisition:
+        """Acquire until ``deadline`` (``time.monotonic()``); a lock wait takes no more than
+        what is left."""
+
+        def attempt() -> tuple[Acquisition, float | None]:
+            left = max(deadline - time.monotonic(), 0.001)
+            bounded = {**params, "lock_timeout": min(self.lock_timeout, left)}
+            return self._acquire_once(bounded, ttl_seconds)
+
+        got, remaining = attempt()
+        if got.acquired or time.monotonic() >= deadline:
+            return got
+        try:
+            with self._connections.unpooled() as listener:
                 listener.execute(f"LISTEN {_RELEASED_CHANNEL}")
-                try:
-                    while True:
-                        got = self.acquire(**arguments)
-                        left = deadline - time.monotonic()
-                        if got.acquired or left <= 0:
-                            return got
-                        for notice in listener.notifies(timeout=self._pause(got, left)):
-                            if notice.payload == name:
-                                break
-                finally:
-                    listener.execute(f"UNLISTEN {_RELEASED_CHANNEL}")
-            except self._driver_errors as exc:
-                listener.close()  # not handed out again, still listening or broken
-                raise _wrap(exc) from exc
-
-    def _pause(self, got: Acquisition, left: float) -> float:
-        """How long a waiting acquisition sleeps unless notified: until the owner's lease should
-        run out (by the store's clock, else this host's), at most ``RECHECK_INTERVAL`` and what
-        is left of the wait."""
-        pause = min(left, RECHECK_INTERVAL)
-        if got.owner is not None and got.outcome == "held":
-            now = self.clock() if self.clock is not None else datetime.now(timezone.utc)
-            pause = min(pause, max((got.owner.expires_at - now).total_seconds(), 0.05))
-        return pause
+                while True:
+                    # Looked at again once listening, so that a release just before is not missed.
+                    got, remaining = attempt()
+                    left = deadline - time.monotonic()
+                    if got.acquired or left <= 0:
+                        return got
+                    pause = min(left, RECHECK_INTERVAL)
+                    if got.outcome == "held" and remaining is not None:
+                        pause = min(pause, max(remaining, 0.05))
+                    for notice in listener.notifies(timeout=pause):
+                        if notice.payload == params["name"]:
+                            break
+        except self._driver_errors as exc:
+            raise _wrap(exc) from exc
 
     def _busy(self, name: str, error: FenceDatabaseError, call: str) -> Acquisition:
         """The answer to a call that waited past ``lock_timeout`` for the lease's row; any other

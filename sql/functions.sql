@@ -74,12 +74,14 @@ $$;
 
 -- Sets lock_timeout for the rest of the transaction (or of the calling function, whose SET
 -- clause restores it): a wait rounded up to whole milliseconds, so that a timeout below 1 ms is
--- 1 ms, not "no timeout" (0).
+-- 1 ms, not "no timeout" (0), and capped at the setting's largest value.
 CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(p_wait interval)
 RETURNS text LANGUAGE sql VOLATILE AS $$
     SELECT set_config(
         'lock_timeout',
-        greatest(1, ceil(extract(epoch FROM coalesce(p_wait, interval '2 seconds')) * 1000))::text,
+        least(2147483647, greatest(1, ceil(
+            extract(epoch FROM coalesce(p_wait, interval '2 seconds')) * 1000
+        )))::bigint::text,
         true
     )
 $$;
@@ -376,6 +378,7 @@ DECLARE
     v_reason text;
     v_now timestamptz;
     v_answer celery_fence.answer;
+    v_waited_from timestamptz;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
@@ -383,12 +386,15 @@ BEGIN
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_mode = 'resume' THEN
-        IF p_lock_timeout <> interval '2 seconds' THEN
-            PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
-        END IF;
         -- The lease's key, then its row: the order acquire takes them in, so that a take-over
-        -- through acquire below never waits for the key while holding the row.
+        -- through acquire below never waits for the key while holding the row. The two waits
+        -- share one lock timeout.
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+        v_waited_from := clock_timestamp();
         PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
+        PERFORM celery_fence.bound_lock_wait(
+            coalesce(p_lock_timeout, interval '2 seconds') - (clock_timestamp() - v_waited_from)
+        );
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;

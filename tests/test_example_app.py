@@ -160,7 +160,11 @@ def test_a_filesystem_message_appears_whole(
         rename(source, destination)
 
     monkeypatch.setattr(os, "replace", replace)
-    options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(tmp_path / "control"),
+    }
     with kombu.Connection(
         "filesystem://", transport="example_app.broker:Transport", transport_options=options
     ) as connection:

@@ -557,6 +557,44 @@ def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
         other.dispose()
 
 
+def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """The first resume waits on the row, the others for its key: the key's wait and the
+    row's share one lock timeout, so the last answer comes after about one, not two."""
+    held = acquire(store, "H")
+    others = [LeaseStore(protected, lock_timeout=0.5, pool_size=1) for _ in range(3)]
+
+    def resume(index: int) -> tuple[str, float]:
+        started = time.monotonic()
+        got = others[index].rejoin(
+            NAME,
+            epoch=held.epoch,
+            holder=held.holder,
+            mode="resume",
+            proof=proof(held, "resume"),
+            ttl=30,
+            action="start child",
+        )
+        return got.outcome, time.monotonic() - started
+
+    try:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            holder = FencedHolder(pool, store, held)
+            answers = [
+                future.result(timeout=WAIT)
+                for future in [pool.submit(resume, index) for index in range(3)]
+            ]
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+    finally:
+        for other in others:
+            other.dispose()
+    assert [outcome for outcome, _ in answers] == ["busy"] * 3
+    assert max(waited for _, waited in answers) < 0.9, answers
+    assert store.stale_runs(environment=ENVIRONMENT) == []
+
+
 def test_acquirers_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(
     store: LeaseStore, protected: Engine
 ) -> None:

@@ -584,6 +584,8 @@ def test_protocol_calls_do_not_wait_for_an_exhausted_engine_pool(database_url: s
     try:
         with engine.connect():  # the engine's only connection, busy with the work
             started = time.monotonic()
+            with store.protocol_connection(), store.protocol_connection():
+                pass  # two of the store's own open at once
             assert store.acquire(NAME, holder="a", ttl=30).acquired
             assert time.monotonic() - started < 5
     finally:
@@ -593,10 +595,24 @@ def test_protocol_calls_do_not_wait_for_an_exhausted_engine_pool(database_url: s
 # -- waiting for a lease ---------------------------------------------------------------------
 
 
-def listening_channels(store: LeaseStore) -> list[str]:
-    """The channels the store's most recently used connection listens on."""
-    with store.protocol_connection() as connection:
-        return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
+def listeners(engine: Engine, expected: int) -> int:
+    """How many sessions on the test's database listen for releases (their last statement was
+    the LISTEN), once that number is ``expected`` or 10 s have passed (a closed session's
+    backend leaves shortly after)."""
+    deadline = time.monotonic() + 10
+    while True:
+        with engine.connect() as conn:
+            count = int(
+                conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                        "AND query = 'LISTEN celery_fence_released'"
+                    )
+                ).scalar_one()
+            )
+        if count == expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -616,10 +632,11 @@ def held_lease(store: LeaseStore) -> Lease:
 def wait_in_background(
     pool: ThreadPoolExecutor, waiter: LeaseStore, wait: float
 ) -> Future[Acquisition]:
-    """Start ``waiter`` waiting for NAME; return once it has found the lease held and listens."""
+    """Start ``waiter`` waiting for NAME; return once it has found the lease held again after it
+    began to listen."""
     future = pool.submit(waiter.acquire, NAME, holder="b", ttl=60, wait=wait)
     deadline = time.monotonic() + 30
-    while not waiter.metrics.get("acquire.held"):
+    while waiter.metrics.get("acquire.held") < 2:
         assert not future.done(), future.result()
         assert time.monotonic() < deadline, "the waiter never found the lease held"
         time.sleep(0.01)
@@ -627,13 +644,14 @@ def wait_in_background(
 
 
 def test_a_waiting_acquisition_takes_the_lease_as_its_holder_releases(
-    store: LeaseStore, waiter: LeaseStore, monkeypatch: pytest.MonkeyPatch
+    store: LeaseStore, waiter: LeaseStore, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Only the release's notification can wake the waiter within the test's bound.
     monkeypatch.setattr("celery_fence.store.RECHECK_INTERVAL", 120.0)
     held = held_lease(store)
     with ThreadPoolExecutor(max_workers=1) as pool:
         future = wait_in_background(pool, waiter, wait=60)
+        assert listeners(engine, 1) == 1
         store.release(held)
         released = time.monotonic()
         got = future.result(timeout=30)
@@ -641,7 +659,8 @@ def test_a_waiting_acquisition_takes_the_lease_as_its_holder_releases(
     assert got.lease is not None
     assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
     assert woke_after < 10
-    assert listening_channels(waiter) == []
+    # The listening connection was the wait's own, and is closed.
+    assert listeners(engine, 0) == 0
 
 
 def test_a_waiting_acquisition_takes_a_lease_that_ran_out(
@@ -659,7 +678,9 @@ def test_a_waiting_acquisition_takes_a_lease_that_ran_out(
     assert ended.end_reason == "expired"
 
 
-def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(store: LeaseStore) -> None:
+def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(
+    store: LeaseStore, engine: Engine
+) -> None:
     held = held_lease(store)
     started = time.monotonic()
     got = store.acquire(NAME, holder="b", ttl=60, wait=0.3)
@@ -668,14 +689,16 @@ def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(store: Leas
     assert got.owner is not None
     assert (got.owner.holder, got.owner.epoch) == ("a", held.epoch)
     assert 0.3 <= waited < 5
-    assert listening_channels(store) == []
+    assert listeners(engine, 0) == 0
 
 
-def test_a_waiting_acquisition_of_a_paused_lease_raises_at_once(store: LeaseStore) -> None:
+def test_a_waiting_acquisition_of_a_paused_lease_raises_at_once(
+    store: LeaseStore, engine: Engine
+) -> None:
     store.acquire(NAME, holder="a", ttl=60)
     store.pause(NAME, reason="incident 42", by="ops")
     started = time.monotonic()
     with pytest.raises(LeasePausedError, match="incident 42"):
         store.acquire(NAME, holder="b", ttl=60, wait=30)
     assert time.monotonic() - started < 5
-    assert listening_channels(store) == []
+    assert listeners(engine, 0) == 0

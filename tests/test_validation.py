@@ -117,8 +117,10 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
 
 
 @pytest.fixture
-def statements(engine: Engine) -> Iterator[list[str]]:
-    """Every statement the engine sends from now on (connections are opened first)."""
+def statements(store: LeaseStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every statement the store's engine sends from now on (connections are opened first), and
+    every connection the store takes for its own calls, which run outside the engine's events."""
+    engine = store.engine
     with engine.connect() as conn:
         conn.exec_driver_sql("SELECT 1")
     sent: list[str] = []
@@ -126,6 +128,17 @@ def statements(engine: Engine) -> Iterator[list[str]]:
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         sent.append(statement)
 
+    def recorded(method: str) -> Callable[..., Any]:
+        original = getattr(store._connections, method)
+
+        def taken(*args: Any) -> Any:
+            sent.append(f"(a protocol connection: {method})")
+            return original(*args)
+
+        return taken
+
+    for method in ("connection", "unpooled"):
+        monkeypatch.setattr(store._connections, method, recorded(method))
     sa.event.listen(engine, "before_cursor_execute", record)
     yield sent
     sa.event.remove(engine, "before_cursor_execute", record)
@@ -150,7 +163,8 @@ def test_bad_input_is_refused_before_any_sql(
                 call(store)
             assert statements == []
     assert row_counts(store.engine) == (0, 0, 0)
-    # The recorder does see what is sent: a valid call is not silent.
+    # The recorder does see what the store sends: a valid call is not silent.
+    statements.clear()
     store.owner("release:prod")
     assert statements
 

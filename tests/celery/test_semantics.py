@@ -218,8 +218,11 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
         with engine.begin() as conn:
             with store.guard(held, conn, action="publish manifest"):
                 pass  # the check runs as the block ends, in the transaction left open
+            started = time.monotonic()
             result = publish.task.apply_async(("prod",), headers={HEADER: header})
             assert wait.finished(result) == SKIPPED
+            # After fence_lock_timeout (0.2 s), not the default 2 s.
+            assert time.monotonic() - started < 1.8
         assert not publish.ran.is_set()
         assert result.info["reason"] == "busy"
         assert fence.store.metrics.get("rejoin.busy") == 1
