@@ -439,7 +439,7 @@ class LeaseStore:
 
         def attempt() -> tuple[Acquisition, float | None]:
             left = max(deadline - time.monotonic(), 0.001)
-            bounded = {**params, "lock_timeout": min(self.lock_timeout, left)}
+            bounded = {**params, "lock_timeout": min(self.lock_timeout, left), "now": self._now()}
             return self._acquire_once(bounded, ttl_seconds)
 
         got, remaining = attempt()

@@ -560,14 +560,20 @@ def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
 def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(
     store: LeaseStore, protected: Engine
 ) -> None:
-    """The first resume waits on the row, the others for its key: the key's wait and the
-    row's share one lock timeout, so the last answer comes after about one, not two."""
+    """The first resume takes the lease's key and waits on the row; the others, started later,
+    wait for the key. A key's wait and the row's share one lock timeout: the one that gets the
+    key when the first gives up has only the rest of its timeout left for the row."""
     held = acquire(store, "H")
-    others = [LeaseStore(protected, lock_timeout=0.5, pool_size=1) for _ in range(3)]
+    first, *later = [LeaseStore(protected, lock_timeout=1.0, pool_size=1) for _ in range(3)]
+    for other in later:
+        with other.protocol_connection():  # opened before anything is timed
+            pass
+    with first.protocol_connection() as connection:
+        first_pid = connection.info.backend_pid
 
-    def resume(index: int) -> tuple[str, float]:
+    def resume(other: LeaseStore) -> tuple[str, float]:
         started = time.monotonic()
-        got = others[index].rejoin(
+        got = other.rejoin(
             NAME,
             epoch=held.epoch,
             holder=held.holder,
@@ -581,18 +587,43 @@ def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_time
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
             holder = FencedHolder(pool, store, held)
+            waiting = pool.submit(resume, first)
+            assert wait_until_blocked(protected, first_pid) == [holder.pid.result()]
+            time.sleep(0.3)  # so that the first gives up well before the later ones would
             answers = [
                 future.result(timeout=WAIT)
-                for future in [pool.submit(resume, index) for index in range(3)]
+                for future in [pool.submit(resume, other) for other in later]
             ]
+            answers.append(waiting.result(timeout=WAIT))
             holder.commit.set()
             holder.done.result(timeout=WAIT)
     finally:
-        for other in others:
+        for other in (first, *later):
             other.dispose()
     assert [outcome for outcome, _ in answers] == ["busy"] * 3
-    assert max(waited for _, waited in answers) < 0.9, answers
+    # With a whole timeout for each wait, the one that got the key would answer after about 1.7 s.
+    assert max(waited for _, waited in answers) < 1.4, answers
     assert store.stale_runs(environment=ENVIRONMENT) == []
+
+
+def test_a_waiting_acquisition_behind_a_fenced_writer_answers_when_its_time_is_up(
+    store: LeaseStore, protected: Engine
+) -> None:
+    stale = acquire(store, "H")
+    late = late_store(protected, lock_timeout=2)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            holder = FencedHolder(pool, store, stale)
+            started = time.monotonic()
+            got = late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT, wait=0.3)
+            waited = time.monotonic() - started
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+    finally:
+        late.dispose()
+    # Its lock wait took what was left of the 0.3 s, not the 2 s lock timeout.
+    assert got.outcome == "busy"
+    assert waited < 1.5
 
 
 def test_acquirers_queued_behind_a_fenced_writer_all_answer_busy_within_their_timeout(

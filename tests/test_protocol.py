@@ -692,13 +692,35 @@ def test_a_waiting_acquisition_answers_the_owner_when_its_time_is_up(
     assert listeners(engine, 0) == 0
 
 
-def test_a_waiting_acquisition_of_a_paused_lease_raises_at_once(
-    store: LeaseStore, engine: Engine
+def test_a_lease_paused_during_a_wait_ends_it(
+    store: LeaseStore, waiter: LeaseStore, engine: Engine
 ) -> None:
-    store.acquire(NAME, holder="a", ttl=60)
-    store.pause(NAME, reason="incident 42", by="ops")
-    started = time.monotonic()
-    with pytest.raises(LeasePausedError, match="incident 42"):
-        store.acquire(NAME, holder="b", ttl=60, wait=30)
-    assert time.monotonic() - started < 5
+    held_lease(store)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = wait_in_background(pool, waiter, wait=60)
+        store.pause(NAME, reason="incident 42", by="ops")
+        # No notification: the waiter's next look, within RECHECK_INTERVAL, finds it paused.
+        with pytest.raises(LeasePausedError, match="incident 42"):
+            future.result(timeout=30)
     assert listeners(engine, 0) == 0
+
+
+def test_a_waiting_acquisition_looks_again_when_the_lease_runs_out(
+    store: LeaseStore, waiter: LeaseStore, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Neither a notification nor the recheck interval: only the lease's end wakes the waiter.
+    monkeypatch.setattr("celery_fence.store.RECHECK_INTERVAL", 120.0)
+    held = held_lease(store)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE celery_fence.leases SET expires_at = clock_timestamp() + interval '0.5 s' "
+                "WHERE name = :name"
+            ),
+            {"name": NAME},
+        )
+    started = time.monotonic()
+    got = waiter.acquire(NAME, holder="b", ttl=60, wait=60)
+    assert got.lease is not None
+    assert got.lease.epoch == held.epoch + 1
+    assert time.monotonic() - started < 10

@@ -92,6 +92,9 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
         if k not in ("zero", "over max_ttl")
     },
     "acquire wait over 7 days": acquire(wait=7 * 86_400 + 1),
+    "acquire wait None": acquire(wait=None),
+    "acquire wait empty string": acquire(wait=""),
+    "acquire wait False": acquire(wait=False),
     "acquire wait with a bad name": acquire(wait=5, name=""),
     **{f"renew ttl {k}": renew(v) for k, v in BAD_SECONDS.items()},
     "guard action empty": guard(""),
