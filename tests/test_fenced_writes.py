@@ -512,24 +512,27 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
 
 
+def timed_resume(other: LeaseStore, held: Lease) -> tuple[str, float]:
+    """Take ``held`` up on ``other`` as a continuation published under it does: the outcome,
+    and how long it took."""
+    started = time.monotonic()
+    got = other.rejoin(
+        NAME,
+        epoch=held.epoch,
+        holder=held.holder,
+        mode="resume",
+        proof=proof(held, "resume"),
+        ttl=30,
+        action="start child",
+    )
+    return got.outcome, time.monotonic() - started
+
+
 def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
     store: LeaseStore, protected: Engine
 ) -> None:
     held = acquire(store, "H")
     other = LeaseStore(protected, lock_timeout=0.2)
-
-    def resume() -> tuple[str, float]:
-        started = time.monotonic()
-        got = other.rejoin(
-            NAME,
-            epoch=held.epoch,
-            holder=held.holder,
-            mode="resume",
-            proof=proof(held, "resume"),
-            ttl=30,
-            action="start child",
-        )
-        return got.outcome, time.monotonic() - started
 
     def sharers() -> int:
         with protected.connect() as conn:
@@ -542,7 +545,7 @@ def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             holder = FencedHolder(pool, store, held)
-            outcome, waited = resume()
+            outcome, waited = timed_resume(other, held)
             holder.commit.set()
             holder.done.result(timeout=WAIT)
         assert outcome == "busy"
@@ -551,7 +554,7 @@ def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
         # Nothing was decided: no stale run, no sharer added; once H committed, it joins.
         assert store.stale_runs(environment=ENVIRONMENT) == []
         assert sharers() == 1
-        assert resume()[0] == "joined"
+        assert timed_resume(other, held)[0] == "joined"
         assert sharers() == 2
     finally:
         other.dispose()
@@ -571,28 +574,15 @@ def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_time
     with first.protocol_connection() as connection:
         first_pid = connection.info.backend_pid
 
-    def resume(other: LeaseStore) -> tuple[str, float]:
-        started = time.monotonic()
-        got = other.rejoin(
-            NAME,
-            epoch=held.epoch,
-            holder=held.holder,
-            mode="resume",
-            proof=proof(held, "resume"),
-            ttl=30,
-            action="start child",
-        )
-        return got.outcome, time.monotonic() - started
-
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
             holder = FencedHolder(pool, store, held)
-            waiting = pool.submit(resume, first)
+            waiting = pool.submit(timed_resume, first, held)
             assert wait_until_blocked(protected, first_pid) == [holder.pid.result()]
             time.sleep(0.3)  # so that the first gives up well before the later ones would
             answers = [
                 future.result(timeout=WAIT)
-                for future in [pool.submit(resume, other) for other in later]
+                for future in [pool.submit(timed_resume, other, held) for other in later]
             ]
             answers.append(waiting.result(timeout=WAIT))
             holder.commit.set()
