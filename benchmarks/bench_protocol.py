@@ -18,12 +18,10 @@ status non-zero.
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import os
 import platform
 import random
-import secrets
 import statistics
 import sys
 import threading
@@ -35,11 +33,11 @@ from typing import Any, TypeVar
 
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
+from bench_common import Samples, add_database_url, percentile, scratch_database, server_version
 from celery_fence import Lease, LeaseStore
 
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 CONTENDERS = 32
 HOLDER = "bench@host-a"
 HELD = "bench:held"
@@ -151,7 +149,6 @@ TARGETS = (
     ),
 )
 
-Samples = dict[str, list[float]]
 THREAD_RACES = ("library", "sql", "raw", "held")
 # The races of the process contenders, and the lease each is run on.
 PROCESS_RACES = {"process": "bench:race-process", "process_held": HELD}
@@ -171,7 +168,6 @@ class Bench:
         self.raw = psycopg.connect(conninfo(url), autocommit=True)
         self.raw.execute(SETUP)
         self.store = LeaseStore.from_url(url.render_as_string(hide_password=False))
-        self.store.install()
         self.engine = self.store.engine
         self.samples: Samples = {key: [] for key in LABELS}
         self.held = self._take(HELD, "bench@host-b")
@@ -499,8 +495,7 @@ def measure(url: URL, rounds: int, warmup: int, race_every: int) -> Samples:
 
 
 def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[math.ceil(0.99 * len(ordered)) - 1]
+    return percentile(values, 0.99)
 
 
 def ms(seconds: float) -> str:
@@ -556,11 +551,7 @@ def report(samples: Samples) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("CELERY_FENCE_DATABASE_URL", DEFAULT_URL),
-        help="a server where the benchmark may create and drop a scratch database",
-    )
+    add_database_url(parser)
     parser.add_argument("--rounds", type=int, default=2000, help="measured rounds (default 2000)")
     parser.add_argument("--warmup", type=int, default=100, help="unmeasured rounds first")
     parser.add_argument(
@@ -572,27 +563,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     args = parser.parse_args(argv)
 
-    admin_url = make_url(args.database_url)
-    scratch = f"bench_{os.getpid()}_{secrets.token_hex(3)}"
-    with psycopg.connect(conninfo(admin_url), autocommit=True) as admin:
-        version = admin.execute("SHOW server_version").fetchone()
-        admin.execute(f'CREATE DATABASE "{scratch}"')
-        try:
-            print(
-                f"celery-fence protocol benchmark, {date.today()}: PostgreSQL "
-                f"{version[0] if version else '?'}, Python {platform.python_version()}, "
-                f"psycopg {psycopg.__version__}, SQLAlchemy {sa.__version__}, "
-                f"{os.cpu_count()} cores; {args.rounds} rounds, {CONTENDERS}-contender races "
-                f"every {args.race_every}",
-                flush=True,
-            )
-            started = time.monotonic()
-            samples = measure(
-                admin_url.set(database=scratch), args.rounds, args.warmup, args.race_every
-            )
-            print(f"measured in {time.monotonic() - started:.0f} s")
-        finally:
-            admin.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+    with scratch_database(args.database_url, "bench") as url:
+        print(
+            f"celery-fence protocol benchmark, {date.today()}: PostgreSQL "
+            f"{server_version(url)}, Python {platform.python_version()}, "
+            f"psycopg {psycopg.__version__}, SQLAlchemy {sa.__version__}, "
+            f"{os.cpu_count()} cores; {args.rounds} rounds, {CONTENDERS}-contender races "
+            f"every {args.race_every}",
+            flush=True,
+        )
+        started = time.monotonic()
+        samples = measure(url, args.rounds, args.warmup, args.race_every)
+        print(f"measured in {time.monotonic() - started:.0f} s")
     met = report(samples)
     return 1 if args.check and not met else 0
 

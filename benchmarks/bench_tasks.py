@@ -30,7 +30,6 @@ import json
 import math
 import os
 import platform
-import secrets
 import statistics
 import subprocess
 import sys
@@ -51,12 +50,19 @@ from celery.result import AsyncResult
 from kombu import Exchange, Queue
 from sqlalchemy.engine import make_url
 
+from bench_common import (
+    Samples,
+    add_database_url,
+    percentile,
+    scratch_database,
+    server_version,
+)
 from celery_fence import LeaseStore
 from celery_fence.contrib.celery import Fence
 from celery_fence.keeper import LeaseKeeper
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
 LATENCY_LIMIT = 1.3
 THROUGHPUT_LIMIT = 0.75
@@ -154,33 +160,19 @@ def _announce_ready(**_: Any) -> None:
 
 # -- in the benchmark process ---------------------------------------------------------------------
 
-Samples = dict[str, list[float]]
-
 
 @contextmanager
-def scratch_database(server_url: str, rows: int) -> Iterator[str]:
-    """A new database with celery-fence installed and the benchmark's table of ``rows`` rows;
-    dropped after."""
-    admin_url = make_url(server_url).set(drivername="postgresql+psycopg")
-    name = f"bench_tasks_{os.getpid()}_{secrets.token_hex(3)}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url = admin_url.set(database=name).render_as_string(hide_password=False)
-    try:
-        store = LeaseStore.from_url(url)
-        store.install()
-        with store.engine.begin() as conn:
+def bench_database(server_url: str, rows: int) -> Iterator[str]:
+    """A scratch database with the benchmark's table of ``rows`` rows; its URL."""
+    with scratch_database(server_url, "bench_tasks") as url:
+        engine = sa.create_engine(url, poolclass=sa.NullPool)
+        with engine.begin() as conn:
             conn.exec_driver_sql(
                 "CREATE TABLE bench_rows (id integer PRIMARY KEY, hits bigint NOT NULL);"
                 f"INSERT INTO bench_rows SELECT i, 0 FROM generate_series(0, {rows - 1}) i"
             )
-        store.engine.dispose()
-        yield url
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+        engine.dispose()
+        yield url.render_as_string(hide_password=False)
 
 
 @contextmanager
@@ -190,7 +182,13 @@ def worker(env: dict[str, str], concurrency: int, timings: Samples | None = None
     with tempfile.TemporaryDirectory(prefix="bench-tasks-") as scratch:
         ready = Path(scratch, "ready")
         log = Path(scratch, "worker.log")
-        env = {**env, "BENCH_READY_FILE": str(ready), "BENCH_TIMINGS_DIR": scratch}
+        env = {
+            **env,
+            "BENCH_READY_FILE": str(ready),
+            "BENCH_TIMINGS_DIR": scratch,
+            # The worker imports this module as benchmarks.bench_tasks, and it bench_common.
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
+        }
         command = [
             sys.executable, "-m", "celery", "-A", "benchmarks.bench_tasks", "worker",
             "--pool=prefork", f"--concurrency={concurrency}", "--loglevel=WARNING",
@@ -256,11 +254,6 @@ def measure_throughput(tasks: int, rounds: int, warmup: int) -> Samples:
                 wait(result)
             samples[kind].append(tasks / (time.perf_counter() - started))
     return samples
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[math.ceil(share * len(ordered)) - 1]
 
 
 def ms(seconds: float) -> str:
@@ -360,10 +353,7 @@ def print_breakdown(latency: Samples, timings: Samples) -> None:
 
 
 def describe(database_url: str, broker: str, args: argparse.Namespace) -> str:
-    engine = sa.create_engine(make_url(database_url).set(drivername="postgresql+psycopg"))
-    with engine.connect() as conn:
-        version = conn.exec_driver_sql("SHOW server_version").scalar()
-    engine.dispose()
+    version = server_version(make_url(database_url).set(drivername="postgresql+psycopg"))
     return (
         f"celery-fence task benchmark, {date.today()}: PostgreSQL {version}, broker "
         f"{make_url(broker).drivername if '://' in broker else broker}, Python "
@@ -393,11 +383,7 @@ def check_rows(database_url: str, expected: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("CELERY_FENCE_DATABASE_URL", DEFAULT_URL),
-        help="a server where the benchmark may create and drop a scratch database",
-    )
+    add_database_url(parser)
     parser.add_argument(
         "--broker", default=os.environ.get("CELERY_FENCE_BROKER_URL", DEFAULT_BROKER)
     )
@@ -417,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     timings: Samples = defaultdict(list)
 
     print(describe(args.database_url, args.broker, args), flush=True)
-    with scratch_database(args.database_url, max(args.tasks, args.warmup, args.batch)) as url:
+    with bench_database(args.database_url, max(args.tasks, args.warmup, args.batch)) as url:
         env = {
             **os.environ,
             "BENCH_DATABASE_URL": url,
