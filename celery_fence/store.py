@@ -125,8 +125,8 @@ class _Statement:
 class _Connections:
     """The store's own autocommit DB-API connections for protocol calls. Each is opened as the
     engine opens its own (its creator, with ``connect_args`` and ``do_connect`` and ``connect``
-    listeners), each through a pool recreated from the engine's and detached from it at once: a
-    pool exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
+    listeners), through a pool recreated from the engine's for it and left at once: a pool
+    exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
     recently used on top, at most ``keep`` of them; more are opened while all are busy, up to
     ``limit`` open at once, beyond which a caller waits up to ``timeout`` seconds for one to come
     back. A protocol call is one statement, so a pool's checkout and reset would cost more than
