@@ -72,16 +72,25 @@ RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
     SELECT hashtextextended(p_name, 7161677110969590627)
 $$;
 
+-- A span as a timeout setting takes it: whole milliseconds rounded up, at least 1 (0 would mean
+-- "no timeout", also for a span already used up) and at most the settings' largest value.
+CREATE OR REPLACE FUNCTION celery_fence.timeout_ms(p_span interval)
+RETURNS text LANGUAGE sql IMMUTABLE AS $$
+    SELECT least(2147483647, greatest(1, ceil(extract(epoch FROM p_span) * 1000)))::bigint::text
+$$;
+
 -- Sets lock_timeout for the rest of the transaction (or of the calling function, whose SET
--- clause restores it): a wait rounded up to whole milliseconds, so that a timeout below 1 ms is
--- 1 ms, not "no timeout" (0), and capped at the setting's largest value.
-CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(p_wait interval)
-RETURNS text LANGUAGE sql VOLATILE AS $$
+-- clause restores it) to p_wait (2 s when null), less the time since p_since when given: what is
+-- left of one timeout for the waits that follow a first one.
+CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(
+    p_wait interval, p_since timestamptz DEFAULT NULL
+) RETURNS text LANGUAGE sql VOLATILE AS $$
     SELECT set_config(
         'lock_timeout',
-        least(2147483647, greatest(1, ceil(
-            extract(epoch FROM coalesce(p_wait, interval '2 seconds')) * 1000
-        )))::bigint::text,
+        celery_fence.timeout_ms(
+            coalesce(p_wait, interval '2 seconds')
+            - coalesce(clock_timestamp() - p_since, interval '0')
+        ),
         true
     )
 $$;
@@ -151,10 +160,7 @@ BEGIN
                 v_waited_from := clock_timestamp();
                 PERFORM pg_advisory_xact_lock_shared(celery_fence.acquire_key(p_name));
                 -- Whatever lock wait follows gets what is left of the timeout, not all of it.
-                PERFORM celery_fence.bound_lock_wait(
-                    coalesce(p_lock_timeout, interval '2 seconds')
-                    - (clock_timestamp() - v_waited_from)
-                );
+                PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
                 CONTINUE;
             END IF;
             -- The lease looked free: take over the epoch looked at, and only that one. The
@@ -297,9 +303,7 @@ $$;
 -- the server ends a session left idle in a transaction fenced by a lease expiring at p_expires_at.
 CREATE OR REPLACE FUNCTION celery_fence.idle_limit(p_expires_at timestamptz)
 RETURNS text LANGUAGE sql VOLATILE AS $$
-    SELECT least(2147483647, greatest(1, ceil(
-        extract(epoch FROM p_expires_at - clock_timestamp()) * 1000
-    )))::text
+    SELECT celery_fence.timeout_ms(p_expires_at - clock_timestamp())
 $$;
 
 -- Lock the lease row FOR SHARE in the caller's transaction and say whether (epoch, token) still
@@ -392,9 +396,7 @@ BEGIN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
         v_waited_from := clock_timestamp();
         PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
-        PERFORM celery_fence.bound_lock_wait(
-            coalesce(p_lock_timeout, interval '2 seconds') - (clock_timestamp() - v_waited_from)
-        );
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
