@@ -1,10 +1,11 @@
-"""The lease protocol's cost, measured against raw SQL on a bare psycopg connection.
+"""The lease protocol's cost, measured against raw SQL sent through psycopg alone.
 
     .venv/bin/python benchmarks/bench_protocol.py [--database-url URL] [--rounds N] [--check]
 
 Creates a scratch database (``bench_...``) on the server, installs celery-fence there, and
 drops it at the end. Each round runs every single-connection variant once, in a shuffled
-order, so that the machine's noise falls on all of them alike; every ``--race-every`` rounds,
+order, so that the machine's noise falls on all of them alike; the raw SQL and the library's
+calls share one autocommit connection, the store's own; every ``--race-every`` rounds,
 32 threads of this process (each on its own connection) race for one free lease behind a
 barrier: through ``LeaseStore.acquire``, calling ``celery_fence.acquire()`` directly, and with
 the raw one-statement acquisition; and they ask at once for a lease someone else holds (the
@@ -156,18 +157,16 @@ ON_HELD = frozenset({"held", "process_held"})
 STOP = -1
 
 
-def conninfo(url: URL) -> str:
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class Bench:
     """The connections, stores and samples of one run."""
 
     def __init__(self, url: URL) -> None:
         self.url = url
-        self.raw = psycopg.connect(conninfo(url), autocommit=True)
-        self.raw.execute(SETUP)
-        self.store = LeaseStore.from_url(url.render_as_string(hide_password=False))
+        # One protocol connection, kept: the library's calls and the SQL sent through psycopg
+        # alone all run on it, and so find the same server process equally warm.
+        self.store = LeaseStore.from_url(url.render_as_string(hide_password=False), pool_size=1)
+        self.cursor: psycopg.Cursor[tuple[object, ...]] | None = None
+        self.driver(None, SETUP, fetch=False)
         self.engine = self.store.engine
         self.samples: Samples = {key: [] for key in LABELS}
         self.held = self._take(HELD, "bench@host-b")
@@ -185,11 +184,29 @@ class Bench:
         self.samples[key].append(time.perf_counter() - started)
         return result
 
+    def driver(
+        self, key: str | None, query: str, params: tuple[object, ...] = (), *, fetch: bool = True
+    ) -> tuple[object, ...] | None:
+        """Send ``query`` through psycopg alone, on the store's connection, with one cursor
+        reused as the store reuses its own; timed under ``key`` unless it is None. Its row when
+        ``fetch``."""
+        with self.store.protocol_connection() as connection:
+            if self.cursor is None or self.cursor.connection is not connection:
+                self.cursor = connection.cursor()
+            cursor = self.cursor
+
+            def send() -> tuple[object, ...] | None:
+                cursor.execute(query, params)
+                row: tuple[object, ...] | None = cursor.fetchone() if fetch else None
+                return row
+
+            return send() if key is None else self.timed(key, send)
+
     def sql_release(self, name: str, epoch: object, token: object, holder: str) -> None:
-        self.raw.execute(SQL_RELEASE, (name, epoch, token, holder))
+        self.driver(None, SQL_RELEASE, (name, epoch, token, holder))
 
     def expire_raw_race(self) -> None:
-        self.raw.execute(EXPIRE_RAW, ("bench:race-raw",))
+        self.driver(None, EXPIRE_RAW, ("bench:race-raw",), fetch=False)
 
     def record(self, kind: str, outcomes: Sequence[tuple[float, bool]]) -> None:
         """Keep one race's timings, each contender's as a win or a loss. On a free lease exactly
@@ -203,28 +220,22 @@ class Bench:
     # -- the variants: each times one call and resets what it needs untimed --------------------
 
     def upsert(self) -> None:
-        self.timed("upsert", lambda: self.raw.execute(UPSERT))
+        self.driver("upsert", UPSERT, fetch=False)
 
     def select1(self) -> None:
-        self.timed("select1", lambda: self.raw.execute("SELECT 1").fetchone())
+        self.driver("select1", "SELECT 1")
 
     def raw_acquire(self) -> None:
-        row = self.timed(
-            "raw", lambda: self.raw.execute(RAW_ACQUIRE, ("bench:raw", HOLDER, 0)).fetchone()
-        )
+        row = self.driver("raw", RAW_ACQUIRE, ("bench:raw", HOLDER, 0))
         assert row is not None, "the raw acquisition lost"
 
     def bare_takeover(self) -> None:
-        row = self.timed(
-            "bare", lambda: self.raw.execute(BARE_TAKEOVER, (HOLDER, "bench:bare")).fetchone()
-        )
+        row = self.driver("bare", BARE_TAKEOVER, (HOLDER, "bench:bare"))
         assert row is not None, "the bare takeover found the lease held"
         self.sql_release("bench:bare", row[0], row[1], HOLDER)
 
     def sql_acquire(self) -> None:
-        row = self.timed(
-            "sql_win", lambda: self.raw.execute(SQL_ACQUIRE, ("bench:sql", HOLDER)).fetchone()
-        )
+        row = self.driver("sql_win", SQL_ACQUIRE, ("bench:sql", HOLDER))
         assert row is not None, "celery_fence.acquire() returned no row"
         assert row[1] is not None, "celery_fence.acquire() lost a free lease"
         self.sql_release("bench:sql", row[0], row[1], HOLDER)
@@ -269,7 +280,6 @@ class Bench:
         ]
 
     def close(self) -> None:
-        self.raw.close()
         self.store.dispose()
 
 

@@ -8,7 +8,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
@@ -34,6 +33,8 @@ from celery_fence.observe import Metrics, log, stale_log
 Clock = Callable[[], datetime]
 Mode = Literal["join", "resume"]
 
+# Where _cursor() keeps its cursor in a pooled connection's info.
+_CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
@@ -126,24 +127,41 @@ class _Connections:
     """The store's own autocommit DB-API connections for protocol calls. Each is opened as the
     engine opens its own (its creator, with ``connect_args`` and ``do_connect`` and ``connect``
     listeners), through a pool recreated from the engine's for it and left at once: a pool
-    exhausted by the work never delays a protocol call. The idle ones wait on a stack, the most
-    recently used on top, at most ``keep`` of them; more are opened while all are busy, up to
-    ``limit`` open at once, beyond which a caller waits up to ``timeout`` seconds for one to come
-    back. A protocol call is one statement, so a pool's checkout and reset would cost more than
-    the call's own work here. A forked child keeps its parent's connections referenced, unused
+    exhausted by the work never delays a protocol call. An idle connection waits with a cursor
+    of its own, reused for every call, on a stack, the most recently used on top, at most
+    ``keep`` of them; more are opened while all are busy, up to ``limit`` open at once, beyond
+    which a caller waits up to ``timeout`` seconds for one to come back. A protocol call is one
+    statement: a pool's checkout and reset, or a new cursor, would cost more than the rest of
+    the call's client work. A forked child keeps its parent's connections referenced, unused
     and open, so that neither closing nor collecting them touches the parent's sessions, and
     opens its own."""
 
     def __init__(self, engine: Engine, *, keep: int, limit: int, timeout: float = 30.0) -> None:
         self._engine = engine
         self._dialect = engine.dialect
+        # libpq's status of a session outside any transaction (psycopg's pq module).
+        self._idle_status = engine.dialect.loaded_dbapi.pq.TransactionStatus.IDLE
         self._keep = keep
         self._limit = limit
         self._timeout = timeout
-        self._slots = threading.BoundedSemaphore(limit)
-        self._idle: deque[Any] = deque()
         self._inherited: list[Any] = []
-        self._pid = os.getpid()
+        self._generation = 0
+        self._start()
+        _EVERY_STORES_CONNECTIONS.add(self)
+
+    def _start(self) -> None:
+        """No connection open yet; a new generation, so that one lent out before is not taken
+        back."""
+        self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
+        self._idle: list[Any] = []
+        self._count = 0
+        self._generation += 1
+
+    def forked(self) -> None:
+        """In a forked child: set the parent's connections aside and start afresh."""
+        self._inherited.extend(self._idle)
+        self._start()
 
     def _open(self) -> Any:
         # A pool of its own for each connection, made from the engine's as it is now (its creator
@@ -170,72 +188,102 @@ class _Connections:
         finally:
             connection.close()
 
-    def _forget(self) -> None:
-        """Set the idle connections aside, unclosed; in a forked child, also start afresh."""
-        self._inherited.extend(self._idle)
-        self._idle.clear()
-        if os.getpid() != self._pid:
-            self._slots = threading.BoundedSemaphore(self._limit)
-            self._pid = os.getpid()
+    def checkout(self) -> tuple[Any, int]:
+        """The cursor of an idle connection, or of one opened for the caller, and the generation
+        to hand back with it to :meth:`checkin`."""
+        with self._lock:
+            if (
+                not self._idle
+                and self._count >= self._limit
+                and not self._returned.wait_for(
+                    lambda: self._idle or self._count < self._limit, self._timeout
+                )
+            ):
+                raise FenceDatabaseError(
+                    f"all {self._limit} protocol connections stayed busy for {self._timeout:g} s"
+                )
+            generation = self._generation
+            if self._idle:
+                return self._idle.pop(), generation
+            self._count += 1
+        try:
+            return self._open().cursor(), generation
+        except BaseException:
+            self._gone()
+            raise
+
+    def checkin(self, cursor: Any, generation: int) -> None:
+        connection = cursor.connection
+        if generation != self._generation:  # forked while it was out: the parent's to keep
+            self._inherited.append(cursor)
+            return
+        # One closed or broken, left in a statement or a transaction (an exception raised into
+        # the call, such as a soft time limit), or out of autocommit by a borrower is not handed
+        # out again.
+        if connection.autocommit and connection.pgconn.transaction_status == self._idle_status:
+            with self._lock:
+                if len(self._idle) < self._keep:
+                    self._idle.append(cursor)
+                    self._returned.notify()
+                    return
+        self._gone()
+        connection.close()
+
+    def _gone(self) -> None:
+        with self._lock:
+            self._count -= 1
+            self._returned.notify()
 
     @contextmanager
     def connection(self) -> Iterator[Any]:
-        if os.getpid() != self._pid:
-            self._forget()
-        slots, pid = self._slots, self._pid
-        if not slots.acquire(timeout=self._timeout):
-            raise FenceDatabaseError(
-                f"all {self._limit} protocol connections stayed busy for {self._timeout:g} s"
-            )
+        cursor, generation = self.checkout()
         try:
-            try:
-                connection = self._idle.pop()
-            except IndexError:
-                connection = self._open()
-            try:
-                yield connection
-            finally:
-                if os.getpid() == pid:
-                    self._put_back(connection)
-                else:  # forked inside the block: the parent's, not the child's to keep
-                    self._inherited.append(connection)
+            yield cursor.connection
         finally:
-            slots.release()
-
-    def _put_back(self, connection: Any) -> None:
-        # One left broken, mid-statement (an interrupt) or out of autocommit by a borrower is
-        # not handed out again.
-        if (
-            connection.closed
-            or connection.broken
-            or connection.info.transaction_status
-            or not connection.autocommit
-            or len(self._idle) >= self._keep
-        ):
-            connection.close()
-        else:
-            self._idle.append(connection)
+            self.checkin(cursor, generation)
 
     def close(self, *, close: bool = True) -> None:
-        """Close the idle connections; ``close=False``, or in a forked child, sets them aside
-        instead."""
-        if not close or os.getpid() != self._pid:
-            self._forget()
+        """Close the idle connections; ``close=False`` sets them aside instead."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._returned.notify_all()
+        if not close:
+            self._inherited.extend(idle)
             return
-        while self._idle:
-            self._idle.pop().close()
+        for cursor in idle:
+            cursor.connection.close()
 
 
-def _dbapi_connection(conn: Executor) -> Any:
-    """The DB-API connection under a SQLAlchemy ``Connection`` or ``Session``, in its current
-    transaction."""
+# Every store's connections, so that a forked child sets its parent's aside before any use.
+_EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for connections in list(_EVERY_STORES_CONNECTIONS):
+        connections.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _cursor(conn: Executor) -> Any:
+    """A DB-API cursor on the connection under a SQLAlchemy ``Connection`` or ``Session``, in its
+    current transaction. It is kept in the connection's ``info``, which SQLAlchemy discards with
+    the DB-API connection, and reused by every later call on it."""
     if isinstance(conn, Session):
         conn = conn.connection()
     if not isinstance(conn, sa.Connection):
         raise ConfigurationError(
             f"guard needs a SQLAlchemy Connection or Session, got {type(conn).__name__}"
         )
-    return conn.connection
+    pooled = conn.connection
+    cursor = pooled.info.get(_CURSOR_INFO)
+    if cursor is None:
+        dbapi_connection = pooled.dbapi_connection
+        assert dbapi_connection is not None  # a connection in use is open
+        cursor = pooled.info[_CURSOR_INFO] = dbapi_connection.cursor()
+    return cursor
 
 
 def _owner(row: Mapping[str, Any]) -> Owner | None:
@@ -337,7 +385,7 @@ class LeaseStore:
                 conn.exec_driver_sql(
                     _sql.install_script(), execution_options={"no_parameters": True}
                 )
-                (row,) = self._run(conn.connection, "schema_version", {})
+                (row,) = self._run(_cursor(conn), "schema_version", {})
                 return int(row["version"])
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
@@ -599,8 +647,8 @@ class LeaseStore:
         """
         action = self._action(action)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
-        dbapi_connection = _dbapi_connection(conn)
-        if getattr(dbapi_connection, "autocommit", False):
+        cursor = _cursor(conn)
+        if cursor.connection.autocommit:
             raise ConfigurationError(
                 "guard needs a connection in a transaction, not in autocommit: each write would "
                 "commit before the fence check"
@@ -624,14 +672,14 @@ class LeaseStore:
         }
         if not enforce:
             try:
-                (row,) = self._run(dbapi_connection, "check_fence", params)
+                (row,) = self._run(cursor, "check_fence", params)
             except self._driver_errors as exc:
                 raise _wrap(exc) from exc
             if row["reason"] is not None:
                 self._record_rejection(lease, row["reason"], action, False)
             return
         try:
-            self._run(dbapi_connection, "fence", params)
+            self._run(cursor, "fence", params)
         except self._driver_errors as exc:
             reason = self._fence_failure(exc, params)
             if reason is None:
@@ -729,7 +777,7 @@ class LeaseStore:
                 self.engine.begin() as conn,
                 self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
             ):
-                claimed = self._run(_dbapi_connection(conn), "claim_slot", params)
+                claimed = self._run(_cursor(conn), "claim_slot", params)
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
             raise _wrap(exc) from exc
         return bool(claimed)
@@ -856,28 +904,26 @@ class LeaseStore:
         """Run a named query in autocommit on one of the store's own connections; wrap driver
         errors."""
         try:
-            with self._connections.connection() as connection:
-                return self._run(connection, query, params)
+            # What _Connections.connection() does, without a generator on every call.
+            cursor, generation = self._connections.checkout()
+            try:
+                return self._run(cursor, query, params)
+            finally:
+                self._connections.checkin(cursor, generation)
         except self._driver_errors as exc:
             raise _wrap(exc) from exc
 
-    def _run(
-        self, dbapi_connection: Any, query: str, params: Mapping[str, Any]
-    ) -> list[dict[str, Any]]:
-        """Execute a named statement on a DB-API connection; its rows as dicts."""
+    def _run(self, cursor: Any, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Execute a named statement on a DB-API cursor; its rows as dicts."""
         statement = self._statements[query]
-        cursor = dbapi_connection.cursor()
-        try:
-            cursor.execute(statement.sql, statement.parameters(params))
-            # The column names straight from the result: psycopg's ``description`` builds a
-            # Column object per column, which costs more than the rest of a protocol call here.
-            result = cursor.pgresult
-            if result is None or not result.nfields:
-                return []
-            names = [result.fname(i).decode() for i in range(result.nfields)]
-            return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
-        finally:
-            cursor.close()
+        cursor.execute(statement.sql, statement.parameters(params))
+        # The column names straight from the result: psycopg's ``description`` builds a Column
+        # object per column, which costs more than the rest of a protocol call here.
+        result = cursor.pgresult
+        if result is None or not result.nfields:
+            return []
+        names = [result.fname(i).decode() for i in range(result.nfields)]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
     def _call(self, query: str, params: Mapping[str, Any]) -> dict[str, Any]:
         """Like :meth:`_rows` for a query that answers exactly one row."""

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from celery_fence import FenceDatabaseError, Lease, LeaseStore, StaleEpochError
-from celery_fence.store import Executor, proof
+from celery_fence.store import Executor, engine_from_url, proof
 
 NAME = "release:prod"
 ENVIRONMENT = "prod"
@@ -97,6 +97,32 @@ def test_guard_commits_writes_while_held(store: LeaseStore, protected: Engine, k
     assert protected_value(protected) == "published"
     assert store.stale_runs() == []
     assert store.metrics.get("guard.committed") == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_guard_fences_every_transaction_of_a_pooled_connection_also_after_a_reconnect(
+    store: LeaseStore, protected: Engine, database_url: str, kind: str
+) -> None:
+    # One pooled connection, so that every transaction runs on it, and then on the connection
+    # that replaces it once it is invalidated (the guard's cursor must follow).
+    engine = engine_from_url(database_url, pool_size=1, max_overflow=0)
+    lease = acquire(store, "release-41")
+    try:
+        backends = []
+        for value in ("first", "second", "after reconnect"):
+            with transaction(engine, kind) as conn:
+                with store.guard(lease, conn, action="publish"):
+                    conn.execute(UPDATE, {"value": value})
+                backends.append(backend_pid(conn))
+            assert protected_value(protected) == value
+            if value == "second":
+                with engine.connect() as conn:
+                    conn.invalidate()
+        assert backends[0] == backends[1] != backends[2]
+        assert store.metrics.get("guard.committed") == 3
+        assert store.stale_runs() == []
+    finally:
+        engine.dispose()
 
 
 def lose(reason: str, store: LeaseStore, lease: Lease, expire_lease: Expire) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import hmac
 import multiprocessing
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from sqlalchemy.engine import Engine, make_url
 from celery_fence import (
     Acquisition,
     ConfigurationError,
+    FenceDatabaseError,
     Lease,
     LeaseLostError,
     LeasePausedError,
@@ -516,6 +518,57 @@ def test_protocol_calls_beyond_twice_the_pool_size_wait_for_a_connection(engine:
         store.dispose()
 
 
+# Forking with other threads alive (a renewal thread of an earlier test) is what these tests do.
+FORK_WARNING = (
+    r"ignore:This process \(pid=\d+\) is multi-threaded, use of fork\(\) may lead to "
+    r"deadlocks in the child\.:DeprecationWarning"
+)
+
+
+def test_a_protocol_connection_that_cannot_be_opened_gives_its_place_back(
+    database_url: str,
+) -> None:
+    url = make_url(database_url).set(database="celery_fence_no_such_database")
+    store = LeaseStore(sa.create_engine(url), pool_size=1)  # two open at most
+    try:
+        started = time.monotonic()
+        for _ in range(3):
+            with pytest.raises(FenceDatabaseError, match="does not exist"):
+                store.owner(NAME)
+        assert time.monotonic() - started < 10
+    finally:
+        store.dispose()
+
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_a_child_forked_while_a_connection_is_lent_leaves_it_to_the_parent(
+    store: LeaseStore,
+) -> None:
+    read_end, write_end = os.pipe()
+    with store.protocol_connection() as connection:
+        parent_backend = connection.info.backend_pid
+        child = os.fork()
+    if child == 0:  # the child gives the connection back too, then makes calls of its own
+        try:
+            with store.protocol_connection() as connection:
+                answer = str(connection.info.backend_pid)
+        except BaseException as exc:
+            answer = repr(exc)
+        finally:
+            os.write(write_end, answer.encode())
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    with os.fdopen(read_end) as answers:
+        child_backend = answers.read()
+    assert child_backend.isdigit(), child_backend
+    assert int(child_backend) != parent_backend
+    # Still the parent's, open and in use: the child neither reused nor closed it.
+    with store.protocol_connection() as connection:
+        assert connection.info.backend_pid == parent_backend
+        assert connection.execute("SELECT 1").fetchone() == (1,)
+
+
 def _owner_in_child(store: LeaseStore, answers: Queue[tuple[int, str]]) -> None:
     with store.protocol_connection() as connection:
         pid = connection.info.backend_pid
@@ -523,6 +576,7 @@ def _owner_in_child(store: LeaseStore, answers: Queue[tuple[int, str]]) -> None:
     answers.put((pid, owner.holder if owner else ""))
 
 
+@pytest.mark.filterwarnings(FORK_WARNING)
 def test_a_forked_child_opens_its_own_connections_and_leaves_the_parents(
     store: LeaseStore,
 ) -> None:

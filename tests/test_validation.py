@@ -140,7 +140,7 @@ def statements(store: LeaseStore, monkeypatch: pytest.MonkeyPatch) -> Iterator[l
 
         return taken
 
-    for method in ("connection", "unpooled"):
+    for method in ("checkout", "unpooled"):
         monkeypatch.setattr(store._connections, method, recorded(method))
     sa.event.listen(engine, "before_cursor_execute", record)
     yield sent
