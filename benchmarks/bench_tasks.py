@@ -19,8 +19,10 @@ interleaved in each:
   cancels out).
 
 It prints both with the targets (fenced latency at most 1.3x plain, fenced throughput at least
-0.75x plain) marked PASS or MISS, and where the time goes, from timings the worker processes
-take around each task and its body; with ``--check`` a miss makes the exit status non-zero.
+0.75x plain) marked PASS or MISS; where the time goes, from timings the worker processes take
+around each task and its body; and, on Linux, where the CPU goes in the throughput phase, per
+task and by process (the client, the worker's parent and children, the scratch database's
+PostgreSQL backends, ...), from ``/proc``. With ``--check`` a miss makes the exit status non-zero.
 """
 
 from __future__ import annotations
@@ -176,9 +178,9 @@ def bench_database(server_url: str, rows: int) -> Iterator[str]:
 
 
 @contextmanager
-def worker(env: dict[str, str], concurrency: int, timings: Samples | None = None) -> Iterator[None]:
-    """A prefork worker process on the run's queue; its processes' timings are added to
-    ``timings``, if given, when it has stopped."""
+def worker(env: dict[str, str], concurrency: int, timings: Samples | None = None) -> Iterator[int]:
+    """A prefork worker process on the run's queue; yields its pid. Its processes' timings are
+    added to ``timings``, if given, when it has stopped."""
     with tempfile.TemporaryDirectory(prefix="bench-tasks-") as scratch:
         ready = Path(scratch, "ready")
         log = Path(scratch, "worker.log")
@@ -202,7 +204,7 @@ def worker(env: dict[str, str], concurrency: int, timings: Samples | None = None
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the worker did not start:\n{log.read_text()}")
                 time.sleep(0.05)
-            yield
+            yield process.pid
         finally:
             process.terminate()
             process.wait(30)
@@ -240,20 +242,103 @@ def measure_latency(tasks: int, batch: int, warmup: int) -> Samples:
     return samples
 
 
-def measure_throughput(tasks: int, rounds: int, warmup: int) -> Samples:
-    """Tasks per second, one value per round and kind. The tasks of a round each have a row
+CpuUse = dict[str, dict[str, float]]
+PROC = Path("/proc")
+CPU_GROUPS = (
+    ("client", "the benchmark process (sends, collects results)"),
+    ("parent", "the worker's parent process (consumes, dispatches)"),
+    ("children", "the worker's child processes (run the tasks)"),
+    ("backends", "PostgreSQL: the scratch database's backends"),
+    ("postgres", "PostgreSQL: its other processes"),
+    ("broker", "Redis and RabbitMQ servers"),
+    ("other", "everything else"),
+    ("machine", "the machine, every process"),
+)
+
+
+class CpuMeter:
+    """CPU time used by the processes of a run, by group, read from ``/proc`` (Linux only; the
+    groups need the services on this machine): the benchmark itself, the worker's parent and
+    children, the scratch database's PostgreSQL backends, PostgreSQL's other processes, the
+    Redis and RabbitMQ servers, everything else, and the whole machine."""
+
+    def __init__(self, worker_pid: int, database: str) -> None:
+        self.worker_pid = worker_pid
+        self.backend_marker = f" {database} ".encode()
+        self.available = Path(PROC, "stat").exists()
+
+    def snapshot(self) -> dict[int | str, tuple[str, int]]:
+        """Clock ticks used so far: by pid (with its group), and by the machine."""
+        ticks: dict[int | str, tuple[str, int]] = {}
+        for entry in PROC.iterdir():
+            if entry.name.isdigit():
+                found = self._process(int(entry.name))
+                if found is not None:
+                    ticks[int(entry.name)] = found
+        fields = Path(PROC, "stat").read_text().split("\n", 1)[0].split()[1:]
+        # user nice system idle iowait irq softirq steal: what this machine's processes and
+        # interrupts used, without idle, iowait and the steal time other guests had
+        ticks["machine"] = ("machine", sum(int(fields[i]) for i in (0, 1, 2, 5, 6)))
+        return ticks
+
+    def used(self, before: dict[int | str, tuple[str, int]]) -> dict[str, float]:
+        """CPU seconds by group since ``before``; a process that started since counts from
+        zero, one that ended is left out."""
+        tick = os.sysconf("SC_CLK_TCK")
+        seconds: dict[str, float] = defaultdict(float)
+        for key, (group, now) in self.snapshot().items():
+            seconds[group] += (now - before.get(key, (group, 0))[1]) / tick
+        seconds["other"] = seconds["machine"] - sum(
+            value for group, value in seconds.items() if group != "machine"
+        )
+        return seconds
+
+    def _process(self, pid: int) -> tuple[str, int] | None:
+        try:
+            stat = Path(PROC, str(pid), "stat").read_bytes()
+            command = Path(PROC, str(pid), "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:  # the process ended meanwhile
+            return None
+        name, _, rest = stat.partition(b" (")[2].rpartition(b") ")
+        fields = rest.split()
+        parent = int(fields[1])
+        if pid == os.getpid():
+            group = "client"
+        elif pid == self.worker_pid:
+            group = "parent"
+        elif parent == self.worker_pid:
+            group = "children"
+        elif name == b"postgres":
+            group = "backends" if self.backend_marker in command else "postgres"
+        elif name in (b"redis-server", b"beam.smp"):
+            group = "broker"
+        else:
+            return None
+        return group, int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def measure_throughput(
+    tasks: int, rounds: int, warmup: int, cpu: CpuMeter
+) -> tuple[Samples, CpuUse | None]:
+    """Tasks per second, one value per round and kind, and the CPU time each kind's rounds
+    used, by process group (``None`` without ``/proc``). The tasks of a round each have a row
     (and a lease) of their own, so that no two tasks running at once want the same lease."""
     samples: Samples = {kind: [] for kind in KINDS}
+    used: CpuUse = {kind: defaultdict(float) for kind in KINDS}
     for kind in KINDS:
         for result in [send(kind, index) for index in range(warmup)]:
             wait(result)
     for round_number in range(rounds):
         for kind in interleaved(round_number):
+            before = cpu.snapshot() if cpu.available else {}
             started = time.perf_counter()
             for result in [send(kind, index) for index in range(tasks)]:
                 wait(result)
             samples[kind].append(tasks / (time.perf_counter() - started))
-    return samples
+            if cpu.available:
+                for group, seconds in cpu.used(before).items():
+                    used[kind][group] += seconds
+    return samples, (used if cpu.available else None)
 
 
 def ms(seconds: float) -> str:
@@ -264,11 +349,14 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def report(latency: Samples, throughput: Samples, timings: Samples) -> bool:
-    """Print the tables, the targets and the breakdown; return whether both targets were met."""
+def report(
+    latency: Samples, throughput: Samples, timings: Samples, cpu: CpuUse | None, tasks: int
+) -> bool:
+    """Print the tables, the targets and the breakdowns; return whether both targets were met."""
     print_measurements(latency, throughput)
     met = print_targets(latency, throughput)
     print_breakdown(latency, timings)
+    print_cpu(cpu, {kind: tasks * len(throughput[kind]) for kind in KINDS})
     return met
 
 
@@ -352,6 +440,20 @@ def print_breakdown(latency: Samples, timings: Samples) -> None:
         )
 
 
+def print_cpu(cpu: CpuUse | None, sent: dict[str, int]) -> None:
+    """CPU time per task in the throughput phase, by process group."""
+    print("\nCPU time per task in the throughput phase (ms, all rounds, from /proc)")
+    if cpu is None:
+        print("  not measured: this system has no /proc")
+        return
+    for group, label in CPU_GROUPS:
+        plain, fenced = (cpu[kind][group] / sent[kind] for kind in KINDS)
+        print(
+            f"  {label:<66} plain {ms(plain):>6}  fenced {ms(fenced):>6}"
+            f"  {(fenced - plain) * 1000:>+7.2f}"
+        )
+
+
 def describe(database_url: str, broker: str, args: argparse.Namespace) -> str:
     version = server_version(make_url(database_url).set(drivername="postgresql+psycopg"))
     return (
@@ -421,15 +523,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with worker(env, 1, timings):
                 latency = measure_latency(args.tasks, args.batch, args.warmup)
-            with worker(env, 2):
-                throughput = measure_throughput(args.tasks, args.rounds, args.warmup)
+            with worker(env, 2) as pid:
+                meter = CpuMeter(pid, make_url(url).database or "")
+                throughput, cpu = measure_throughput(args.tasks, args.rounds, args.warmup, meter)
         finally:
             delete_queue(queue)
         sent = 2 * (args.warmup + args.batch * math.ceil(args.tasks / args.batch))
         sent += 2 * (args.warmup + args.rounds * args.tasks)
         check_rows(url, sent)
         print(f"measured in {time.monotonic() - started:.0f} s")
-    met = report(latency, throughput, timings)
+    met = report(latency, throughput, timings, cpu, args.tasks)
     return 1 if args.check and not met else 0
 
 

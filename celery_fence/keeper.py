@@ -53,6 +53,11 @@ class LeaseKeeper:
         _renewals.schedule(self, time.monotonic() + self.interval)
         return self
 
+    @property
+    def stopped(self) -> bool:
+        """True once :meth:`stop` was called (a lost lease sets ``lost``, not this)."""
+        return self._stopped
+
     def stop(self) -> None:
         """No renewal after this returns (one in flight is waited for)."""
         with self._renewing:
@@ -133,13 +138,23 @@ class _Renewals:
                 threading.Thread(
                     target=self._run, name="celery-fence-renewals", daemon=True
                 ).start()
+            # Wake the thread only when this keeper is due before the one it waits for.
+            sooner = not self._due or at < self._due[0][0]
             heapq.heappush(self._due, (at, next(self._order), keeper))
-            self._wake.notify()
+            if sooner:
+                self._wake.notify()
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._due or self._due[0][0] > time.monotonic():
+                while True:
+                    # Stopped keepers leave the queue without a renewal attempt, all those at
+                    # its head at once, whenever the thread wakes: keepers of runs that end
+                    # before their first renewal never wake it up one by one.
+                    while self._due and self._due[0][2].stopped:
+                        heapq.heappop(self._due)
+                    if self._due and self._due[0][0] <= time.monotonic():
+                        break
                     timeout = self._due[0][0] - time.monotonic() if self._due else None
                     self._wake.wait(timeout)
                 _, _, keeper = heapq.heappop(self._due)

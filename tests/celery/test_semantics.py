@@ -27,6 +27,7 @@ from celery_fence import (
     LeaseStore,
     StaleEpochError,
 )
+from celery_fence import keeper as keeper_module
 from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FenceHeader
 from celery_fence.keeper import LeaseKeeper
 from celery_fence.store import Mode
@@ -415,6 +416,47 @@ def test_keeper_rides_out_an_unexpected_error_until_the_deadline(
     assert keeper.error is not None
     assert (keeper.error.reason, keeper.error.epoch) == ("expired", 1)
     assert "the renewal connection broke" in str(keeper.error)
+
+
+@pytest.fixture
+def renewals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal thread of the test's own, with no keepers of earlier tests to wake it."""
+    monkeypatch.setattr(keeper_module, "_renewals", keeper_module._Renewals())
+
+
+@pytest.mark.usefixtures("renewals")
+def test_a_keeper_started_after_one_due_later_is_renewed_on_its_own_time(
+    store: LeaseStore, wait: Wait
+) -> None:
+    # The renewal thread is asleep until the first keeper is due, a minute from now.
+    with LeaseKeeper(take(store, name="keeper:slow"), store.renew, interval=60) as slow:
+        fast_lease = take(store, name="keeper:fast")
+        with LeaseKeeper(fast_lease, store.renew, interval=0.05) as fast:
+            wait.until(lambda: fast.lease is not fast_lease, what="the fast keeper's renewal")
+            assert fast.held
+        assert slow.held
+
+
+@pytest.mark.usefixtures("renewals")
+def test_stopped_keepers_leave_the_queue_without_a_renewal_attempt(
+    store: LeaseStore, wait: Wait, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts: list[str] = []
+    renew_once = LeaseKeeper.renew_once
+
+    def attempt(keeper: LeaseKeeper) -> float | None:
+        attempts.append(keeper.lease.name)
+        return renew_once(keeper)
+
+    monkeypatch.setattr(LeaseKeeper, "renew_once", attempt)
+    for index in range(5):
+        name = f"keeper:ended:{index}"
+        LeaseKeeper(take(store, name=name), store.renew, interval=0.05).start().stop()
+    live_lease = take(store, name="keeper:live")
+    with LeaseKeeper(live_lease, store.renew, interval=0.1) as live:
+        wait.until(lambda: attempts.count("keeper:live") >= 2, what="two renewals of the live one")
+        assert live.lease is not live_lease
+    assert set(attempts) == {"keeper:live"}
 
 
 def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
