@@ -434,10 +434,7 @@ def print_breakdown(latency: Samples, timings: Samples) -> None:
             median["fenced"] - worker["fenced"],
         ),
     ):
-        print(
-            f"  {label:<66} plain {ms(plain_value):>6}  fenced {ms(fenced_value):>6}"
-            f"  {(fenced_value - plain_value) * 1000:>+7.2f}"
-        )
+        print_difference(label, plain_value, fenced_value)
 
 
 def print_cpu(cpu: CpuUse | None, sent: dict[str, int]) -> None:
@@ -448,10 +445,16 @@ def print_cpu(cpu: CpuUse | None, sent: dict[str, int]) -> None:
         return
     for group, label in CPU_GROUPS:
         plain, fenced = (cpu[kind][group] / sent[kind] for kind in KINDS)
-        print(
-            f"  {label:<66} plain {ms(plain):>6}  fenced {ms(fenced):>6}"
-            f"  {(fenced - plain) * 1000:>+7.2f}"
-        )
+        print_difference(label, plain, fenced)
+
+
+def print_difference(label: str, plain: float, fenced: float) -> None:
+    """One line of a breakdown: the plain and fenced figures (seconds, shown in ms) and their
+    difference."""
+    print(
+        f"  {label:<66} plain {ms(plain):>6}  fenced {ms(fenced):>6}"
+        f"  {(fenced - plain) * 1000:>+7.2f}"
+    )
 
 
 def describe(database_url: str, broker: str, args: argparse.Namespace) -> str:
