@@ -28,6 +28,10 @@ CREATE OR REPLACE FUNCTION celery_fence.stale_reason(
     END
 $$;
 
+-- Callers pass p_now as a variable or a column, never as an expression that reads the clock:
+-- PostgreSQL inlines this function into the caller's statement only when an argument it uses
+-- twice is neither volatile nor costly, and a SQL function that is not inlined has its body
+-- parsed and planned again in every transaction, which costs more than the rest of a call.
 CREATE OR REPLACE FUNCTION celery_fence.answer_of(
     p_outcome text, p_reason text, p_row celery_fence.leases, p_with_token boolean, p_now timestamptz
 ) RETURNS celery_fence.answer LANGUAGE sql STABLE AS $$
@@ -211,7 +215,8 @@ BEGIN
     END LOOP;
     v_row := NULL;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
-    RETURN celery_fence.answer_of('busy', NULL, v_row, false, coalesce(p_now, clock_timestamp()));
+    v_now := coalesce(p_now, clock_timestamp());
+    RETURN celery_fence.answer_of('busy', NULL, v_row, false, v_now);
 END
 $$;
 
@@ -221,6 +226,7 @@ CREATE OR REPLACE FUNCTION celery_fence.renew(
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_row celery_fence.leases;
+    v_now timestamptz;
     v_reason text;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
@@ -237,14 +243,12 @@ BEGIN
         RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
-    v_reason := coalesce(
-        celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp())),
-        'expired'
-    );
+    v_now := coalesce(p_now, clock_timestamp());
+    v_reason := coalesce(celery_fence.stale_reason(v_row, p_epoch, p_token, v_now), 'expired');
     PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'renew', NULL, p_enforced, p_now
     );
-    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, coalesce(p_now, clock_timestamp()));
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END
 $$;
 
@@ -254,6 +258,7 @@ CREATE OR REPLACE FUNCTION celery_fence.release(
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_row celery_fence.leases;
+    v_now timestamptz;
     v_reason text;
 BEGIN
     -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
@@ -271,9 +276,8 @@ BEGIN
       AND l.expires_at > coalesce(p_now, clock_timestamp())
     RETURNING l.* INTO v_row;
     IF v_row.name IS NOT NULL AND v_row.released_at IS NULL THEN
-        RETURN celery_fence.answer_of(
-            'left', NULL, v_row, false, coalesce(p_now, clock_timestamp())
-        );
+        v_now := coalesce(p_now, clock_timestamp());
+        RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
     END IF;
     IF v_row.name IS NOT NULL THEN
         INSERT INTO celery_fence.lease_history (
@@ -286,16 +290,17 @@ BEGIN
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_row.released_at);
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
-    v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp()));
+    v_now := coalesce(p_now, clock_timestamp());
+    v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, v_now);
     IF v_row.epoch = p_epoch AND v_row.token = p_token AND v_row.released_at IS NOT NULL THEN
         -- Releasing twice is harmless, also when the lease was paused in between.
-        RETURN celery_fence.answer_of('released', NULL, v_row, false, coalesce(p_now, clock_timestamp()));
+        RETURN celery_fence.answer_of('released', NULL, v_row, false, v_now);
     END IF;
     v_reason := coalesce(v_reason, 'expired');
     PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'release', NULL, p_enforced, p_now
     );
-    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, coalesce(p_now, clock_timestamp()));
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END
 $$;
 
@@ -355,10 +360,11 @@ BEGIN
 END
 $$;
 
--- The message a header proof signs: lease, epoch, holder and mode, one per line.
+-- The message a header proof signs: lease, epoch, holder and mode, one per line. STABLE, as
+-- convert_to() is: a body more volatile than the function's declaration is not inlined.
 CREATE OR REPLACE FUNCTION celery_fence.proof_message(
     p_name text, p_epoch bigint, p_holder text, p_mode text
-) RETURNS bytea LANGUAGE sql IMMUTABLE AS $$
+) RETURNS bytea LANGUAGE sql STABLE AS $$
     SELECT convert_to(concat_ws(E'\n', p_name, p_epoch::text, p_holder, p_mode), 'UTF8')
 $$;
 
@@ -469,22 +475,32 @@ CREATE OR REPLACE FUNCTION celery_fence.resume(p_name text, p_now timestamptz DE
 RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_row celery_fence.leases;
+    v_now timestamptz;
 BEGIN
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
+    v_now := coalesce(p_now, clock_timestamp());
     RETURN celery_fence.answer_of(
-        CASE WHEN v_row.name IS NULL THEN 'missing' ELSE 'resumed' END,
-        NULL, v_row, false, coalesce(p_now, clock_timestamp())
+        CASE WHEN v_row.name IS NULL THEN 'missing' ELSE 'resumed' END, NULL, v_row, false, v_now
     );
 END
 $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.owner(p_name text, p_now timestamptz DEFAULT NULL)
-RETURNS celery_fence.answer LANGUAGE sql STABLE AS $$
-    SELECT celery_fence.answer_of('read', NULL, l, false, coalesce(p_now, clock_timestamp()))
-    FROM celery_fence.leases l WHERE l.name = p_name
+RETURNS celery_fence.answer LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_now timestamptz;
+BEGIN
+    SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    v_now := coalesce(p_now, clock_timestamp());
+    RETURN celery_fence.answer_of('read', NULL, v_row, false, v_now);
+END
 $$;
 
 -- Who held each epoch of a lease: the ended epochs in lease_history, and the one the lease row

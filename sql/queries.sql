@@ -56,11 +56,10 @@ SELECT * FROM celery_fence.resume(:name, :now)
 SELECT * FROM celery_fence.owner(:name, :now)
 
 -- name: leases
-SELECT a.*
+-- The clock is read once, in a subquery of its own, so that answer_of() is inlined (see there).
+SELECT (celery_fence.answer_of('read', NULL, l, false, t.now)).*
 FROM celery_fence.leases l
-CROSS JOIN LATERAL celery_fence.answer_of(
-    'read', NULL, l, false, coalesce(CAST(:now AS timestamptz), clock_timestamp())
-) a
+CROSS JOIN (SELECT coalesce(CAST(:now AS timestamptz), clock_timestamp()) AS now) t
 WHERE CAST(:environment AS text) IS NULL OR l.environment = :environment
 ORDER BY l.name
 

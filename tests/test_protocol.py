@@ -35,8 +35,9 @@ from celery_fence import (
     LeaseStore,
     Owner,
     StaleEpochError,
+    _sql,
 )
-from celery_fence.store import proof
+from celery_fence.store import proof, proof_message
 
 START = datetime(2030, 1, 1, tzinfo=timezone.utc)
 NAME = "release:prod"
@@ -444,6 +445,66 @@ def test_losing_acquisitions_write_nothing(store: LeaseStore) -> None:
         assert table_writes(store.engine, solo) != before_counts
     finally:
         solo.dispose()
+
+
+def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> None:
+    """A SQL-language helper (answer_of, stale_reason, ...) that PostgreSQL does not inline is
+    called as a function, which parses and plans its body again in every transaction. With
+    ``track_functions = 'all'`` the server counts exactly those calls: the protocol's paths
+    below, through the statements the store sends, must leave them at zero."""
+    queries = _sql.queries()
+    lease = {"name": "inline", "environment": "prod", "purpose": "", "now": None}
+    acquire = {**lease, "ttl": 60, "max_hold": None, "lock_timeout": 2}
+
+    with engine.begin() as conn:
+
+        def call(query: str, **params: Any) -> Any:
+            return conn.execute(sa.text(queries[query]), {**lease, **params}).first()
+
+        conn.exec_driver_sql("SET LOCAL track_functions = 'all'")
+        # Generic plans only: a custom plan folds a helper whose arguments are all constants by
+        # calling it once at planning, which is counted too but is not repeated per call.
+        conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
+        won = call("acquire", **acquire, holder="a")  # the row does not exist yet
+        assert won.outcome == "acquired"
+        assert call("acquire", **acquire, holder="b").outcome == "held"
+        own = {"epoch": won.epoch, "token": won.token, "holder": "a", "enforced": True}
+        forged = {**own, "token": uuid.uuid4()}
+        assert call("renew", **own, ttl=60).outcome == "renewed"
+        assert call("renew", **forged, ttl=60).outcome == "lost"
+        assert call("check_fence", **own).outcome == "held"
+        call("fence", **own)
+        for mode in ("join", "resume"):  # a resume joins as a second sharer
+            message = proof_message("inline", won.epoch, "a", mode)
+            signed = hmac.new(won.token.bytes, message, "sha256")
+            rejoin = {**acquire, **own, "mode": mode, "action": "start"}
+            assert call("rejoin", **rejoin, proof=signed.digest()).outcome == "joined"
+            assert call("rejoin", **rejoin, proof=bytes(32)).reason == "forged"
+        assert call("owner").holder == "a"
+        assert call("owner", name="inline:missing").outcome is None
+        assert call("leases", environment="prod").holder == "a"
+        assert call("release", **forged).outcome == "lost"
+        assert call("release", **own).outcome == "left"
+        assert call("release", **own).outcome == "released"
+        assert call("release", **own).outcome == "released"  # twice is harmless
+        assert call("history", limit=10).end_reason == "released"
+        assert call("pause", reason="audit", by="ops").outcome == "paused"
+        assert call("acquire", **acquire, holder="b").outcome == "paused"
+        assert call("resume").outcome == "resumed"
+        again = call("acquire", **acquire, holder="b")
+        assert again.outcome == "acquired"
+        # Taking over an expired lease: the clock injected a day ahead.
+        later = {**acquire, "now": again.expires_at + timedelta(days=1)}
+        assert call("acquire", **later, holder="c").outcome == "acquired"
+        counts = conn.exec_driver_sql(
+            "SELECT l.lanname, p.proname, pg_stat_get_xact_function_calls(p.oid) AS calls "
+            "FROM pg_proc p JOIN pg_language l ON l.oid = p.prolang "
+            "WHERE p.pronamespace = 'celery_fence'::regnamespace"
+        ).all()
+    called = {(row.lanname, row.proname): row.calls for row in counts if row.calls}
+    # The count is on: the plpgsql protocol functions were called (acquire 5 times).
+    assert called[("plpgsql", "acquire")] == 5
+    assert {name: calls for (language, name), calls in called.items() if language == "sql"} == {}
 
 
 # -- header proofs: the same HMAC in SQL and in Python -----------------------------------------
