@@ -37,7 +37,7 @@ from celery_fence import (
     StaleEpochError,
     _sql,
 )
-from celery_fence.store import proof, proof_message
+from celery_fence.store import proof
 
 START = datetime(2030, 1, 1, tzinfo=timezone.utc)
 NAME = "release:prod"
@@ -474,11 +474,12 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
         assert call("renew", **forged, ttl=60).outcome == "lost"
         assert call("check_fence", **own).outcome == "held"
         call("fence", **own)
+        granted = {field.name: won._mapping.get(field.name) for field in dataclasses.fields(Lease)}
+        publisher = Lease(**{**granted, "ttl": 60, "deadline": time.monotonic() + 60})
         for mode in ("join", "resume"):  # a resume joins as a second sharer
-            message = proof_message("inline", won.epoch, "a", mode)
-            signed = hmac.new(won.token.bytes, message, "sha256")
             rejoin = {**acquire, **own, "mode": mode, "action": "start"}
-            assert call("rejoin", **rejoin, proof=signed.digest()).outcome == "joined"
+            signed = bytes.fromhex(proof(publisher, mode))
+            assert call("rejoin", **rejoin, proof=signed).outcome == "joined"
             assert call("rejoin", **rejoin, proof=bytes(32)).reason == "forged"
         assert call("owner").holder == "a"
         assert call("owner", name="inline:missing").outcome is None
