@@ -137,6 +137,7 @@ DECLARE
     v_new celery_fence.leases;
     v_now timestamptz;
     v_waited_from timestamptz;
+    v_seen bigint;
     v_hold interval := coalesce(p_max_hold, greatest(p_ttl, interval '1 day'));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
@@ -167,25 +168,35 @@ BEGIN
                 PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
                 CONTINUE;
             END IF;
-            -- The lease looked free: take over the epoch looked at, and only that one. The
-            -- update re-checks on the newest row version after any row-lock wait, with the clock
-            -- read at that moment, and changes nothing when another acquirer got there first.
+            v_seen := v_row.epoch;
+            -- The lease looked free: lock the epoch looked at, and only that one (a fenced
+            -- writer's FOR SHARE lock makes this wait), then read the clock and decide on the
+            -- newest row version. An UPDATE alone would not do: it judges its WHERE and computes
+            -- its new values before it waits, and judges again only if the lock's holder changed
+            -- the row, which a fenced writer does not.
+            v_row := NULL;
+            SELECT * INTO v_row FROM celery_fence.leases l
+            WHERE l.name = p_name AND l.epoch = v_seen
+            FOR NO KEY UPDATE;
+            v_now := coalesce(p_now, clock_timestamp());
+            IF v_row.name IS NULL OR v_row.paused
+               OR (v_row.released_at IS NULL AND v_row.expires_at > v_now) THEN
+                -- Another acquirer, a renewal or a pause got there first: look again.
+                CONTINUE;
+            END IF;
             UPDATE celery_fence.leases AS l SET
                 environment = p_environment,
                 holder = p_holder,
                 purpose = coalesce(p_purpose, ''),
                 epoch = l.epoch + 1,
                 token = gen_random_uuid(),
-                acquired_at = coalesce(p_now, clock_timestamp()),
-                renewed_at = coalesce(p_now, clock_timestamp()),
-                expires_at = coalesce(p_now, clock_timestamp()) + p_ttl,
-                hold_until = coalesce(p_now, clock_timestamp()) + v_hold,
+                acquired_at = v_now,
+                renewed_at = v_now,
+                expires_at = v_now + p_ttl,
+                hold_until = v_now + v_hold,
                 released_at = NULL,
                 sharers = 1
             WHERE l.name = p_name
-              AND l.epoch = v_row.epoch
-              AND NOT l.paused
-              AND (l.released_at IS NOT NULL OR l.expires_at <= coalesce(p_now, clock_timestamp()))
             RETURNING l.* INTO v_new;
             IF v_new.name IS NOT NULL AND v_row.released_at IS NULL THEN
                 -- The epoch taken over ended by expiry (a release records its own end).
@@ -211,7 +222,7 @@ BEGIN
         IF v_new.name IS NOT NULL THEN
             RETURN celery_fence.answer_of('acquired', NULL, v_new, true, v_new.acquired_at);
         END IF;
-        -- Another acquirer changed the row first; look again with a fresh snapshot.
+        -- Another acquirer inserted the row first; look again with a fresh snapshot.
     END LOOP;
     v_row := NULL;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
@@ -230,16 +241,19 @@ DECLARE
     v_reason text;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
-    UPDATE celery_fence.leases AS l SET
-        renewed_at = coalesce(p_now, clock_timestamp()),
-        expires_at = greatest(
-            l.expires_at, least(coalesce(p_now, clock_timestamp()) + p_ttl, l.hold_until)
-        )
+    -- The holder's row is locked first and the clock read after (see acquire): a renewal that
+    -- waited behind a fenced writer past the expiry must not bring the lease back.
+    SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-      AND l.released_at IS NULL AND NOT l.paused
-      AND l.expires_at > coalesce(p_now, clock_timestamp())
-    RETURNING l.* INTO v_row;
-    IF v_row.name IS NOT NULL THEN
+    FOR NO KEY UPDATE;
+    v_now := coalesce(p_now, clock_timestamp());
+    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL AND NOT v_row.paused
+       AND v_row.expires_at > v_now THEN
+        UPDATE celery_fence.leases AS l SET
+            renewed_at = v_now,
+            expires_at = greatest(l.expires_at, least(v_now + p_ttl, l.hold_until))
+        WHERE l.name = p_name
+        RETURNING l.* INTO v_row;
         RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
@@ -264,22 +278,23 @@ BEGIN
     -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
     -- need not wait for the disk.
     PERFORM set_config('synchronous_commit', 'off', true);
-    -- A lease shared with continuations (see rejoin) is released by the last of its sharers.
-    UPDATE celery_fence.leases AS l SET
-        sharers = greatest(l.sharers - 1, 0),
-        released_at = CASE WHEN l.sharers <= 1 THEN coalesce(p_now, clock_timestamp()) END,
-        expires_at = CASE WHEN l.sharers <= 1
-                          THEN least(l.expires_at, coalesce(p_now, clock_timestamp()))
-                          ELSE l.expires_at END
+    -- The holder's row is locked first and the clock read after (see acquire). A lease shared
+    -- with continuations (see rejoin) is released by the last of its sharers.
+    SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-      AND l.released_at IS NULL
-      AND l.expires_at > coalesce(p_now, clock_timestamp())
-    RETURNING l.* INTO v_row;
-    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL THEN
-        v_now := coalesce(p_now, clock_timestamp());
-        RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
-    END IF;
-    IF v_row.name IS NOT NULL THEN
+    FOR NO KEY UPDATE;
+    v_now := coalesce(p_now, clock_timestamp());
+    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
+        UPDATE celery_fence.leases AS l SET
+            sharers = greatest(l.sharers - 1, 0),
+            released_at = CASE WHEN l.sharers <= 1 THEN v_now END,
+            expires_at = CASE WHEN l.sharers <= 1 THEN least(l.expires_at, v_now)
+                              ELSE l.expires_at END
+        WHERE l.name = p_name
+        RETURNING l.* INTO v_row;
+        IF v_row.released_at IS NULL THEN
+            RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
+        END IF;
         INSERT INTO celery_fence.lease_history (
             name, epoch, environment, holder, purpose, acquired_at, ended_at, end_reason
         ) VALUES (

@@ -515,6 +515,51 @@ def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
     )
 
 
+@pytest.mark.parametrize("call", ["acquire", "renew", "release"])
+def test_a_call_behind_a_fenced_writer_reads_the_clock_once_it_holds_the_row(
+    store: LeaseStore, protected: Engine, expire_lease: Expire, call: str
+) -> None:
+    """An acquisition, renewal or release that waits for the lease row behind a fenced writer's
+    FOR SHARE lock decides, and stamps its times, by the clock read once it holds the row: an
+    UPDATE alone reads it before the wait and judges again only if the writer changed the row,
+    which a fenced writer does not. So what it stamps is never earlier than the writer's end."""
+    lease = acquire(store, "H")
+    if call == "acquire":
+        expire_lease(NAME)
+    caller = store.dedicated()
+    with caller.protocol_connection() as connection:
+        caller_pid = connection.info.backend_pid
+    calls: dict[str, Callable[[], object]] = {
+        "acquire": lambda: caller.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT),
+        "renew": lambda: caller.renew(lease),
+        "release": lambda: caller.release(lease),
+    }
+    lock = sa.text("SELECT 1 FROM celery_fence.leases WHERE name = :n FOR SHARE")
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as writer:
+            transaction = writer.begin()
+            writer.execute(lock, {"n": NAME})
+            done = pool.submit(calls[call])
+            assert wait_until_blocked(protected, caller_pid) == [backend_pid(writer)]
+            writer_ended = writer.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+            transaction.commit()
+            done.result(timeout=WAIT)
+    finally:
+        caller.dispose()
+    owner = store.owner(NAME)
+    assert owner is not None
+    stamped = {
+        "acquire": owner.acquired_at,
+        "renew": owner.renewed_at,
+        "release": owner.released_at,
+    }[call]
+    assert stamped is not None
+    assert stamped >= writer_ended
+    assert owner.epoch == lease.epoch + (call == "acquire")
+    assert owner.state == ("released" if call == "release" else "held")
+    assert store.stale_runs() == []
+
+
 def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     store: LeaseStore, protected: Engine
 ) -> None:
