@@ -17,7 +17,8 @@ The conventions a page follows (each is enforced below):
     page's database;
   - every command of a block after ``<!-- run -->``; those of a block after
     ``<!-- run: background -->`` are started in the background and stopped when the page ends;
-  - ``$ export NAME=...`` of a variable this runner sets itself (:data:`PROVIDED`) is not run;
+  - ``$ export NAME=...`` of a variable this runner sets itself (:data:`PROVIDED`) is not run,
+    nor is ``$ createdb ...``: the runner gives each page a fresh database of its own;
   - ``$ pip install ...`` must name this project and extras it has;
   - any other command must be run by a script or test of the repository: its words occur in
     one of :data:`RUNNER_GLOBS` in that order, or :data:`RUN_BY` says which file runs it.
@@ -148,7 +149,7 @@ class Command:
     def kind(self) -> str:
         """``run``, ``background``, ``provided``, ``install`` or ``elsewhere``."""
         export = re.match(r"export (\w+)=", self.text)
-        if export and export[1] in PROVIDED:
+        if (export and export[1] in PROVIDED) or self.text.startswith("createdb "):
             return "provided"
         if self.block.marker == "run: background":
             return "background"
