@@ -418,6 +418,26 @@ def test_keeper_rides_out_an_unexpected_error_until_the_deadline(
     assert "the renewal connection broke" in str(keeper.error)
 
 
+def test_keeper_renews_its_own_lease_every_interval_and_a_shared_one_before_its_trust_ends(
+    store: LeaseStore, short_lease: Callable[[float], Lease]
+) -> None:
+    own = LeaseKeeper(take(store, name="keeper:own", ttl=30), store.renew, interval=10)
+    # A lease shared with a holder that renews it elsewhere: each refresh finds only 2 s left.
+    lease = short_lease(2)
+    shared = LeaseKeeper(
+        lease,
+        lambda current: dataclasses.replace(current, deadline=time.monotonic() + 2),
+        interval=10,
+    )
+
+    assert own.renew_once() == 10
+    wait = shared.renew_once()
+    assert wait is not None
+    assert 0.9 < wait <= 1
+    assert own.held
+    assert shared.held
+
+
 @pytest.fixture
 def renewals(monkeypatch: pytest.MonkeyPatch) -> None:
     """A renewal thread of the test's own, with no keepers of earlier tests to wake it."""
