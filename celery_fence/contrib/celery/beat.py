@@ -127,6 +127,11 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             )
             return
         self._take(got.lease)
+        # Celery's heap still holds the entries as they were when this instance last led: on
+        # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its heap
+        # only when an entry's task, arguments, options or schedule change, never for a new
+        # last run. Left as it was, the heap would send at once what came due meanwhile.
+        self._heap = None
         log.warning(
             "beat leads %s at epoch %d as %s",
             self.lease_name,
