@@ -17,6 +17,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 from freezegun import freeze_time
+from sqlalchemy.engine import Engine, make_url
 
 from celery_fence import LeaseStore
 from celery_fence.contrib.celery import HEADER, Fence
@@ -245,3 +246,44 @@ def test_a_former_leader_that_leads_again_sends_nothing_its_successor_sent(
         finally:
             first.close()
             second.close()
+
+
+def test_a_leader_whose_renewals_fail_retries_at_a_pace_until_its_deadline_then_steps_down(
+    app: Celery,
+    scheduler: NewScheduler,
+    admin_engine: Engine,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    database = make_url(database_url).database
+    with freeze_time("2030-01-01T00:00:00+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = scheduler()
+        beat.tick()
+        lease = beat.lease
+        assert lease is not None
+        # The database becomes unreachable: new connections are refused, open ones are ended.
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                f"WHERE datname = '{database}'"
+            )
+        try:
+            ticks = []
+            # Tick as celery beat does, sleeping what tick() returns, until the leader steps
+            # down (its lease is trusted for 13.5 s of 15).
+            while beat.lease is not None and len(ticks) < 100:
+                ticks.append(beat.tick())
+                # The frozen clock moves by whole microseconds; a real sleep takes at least one.
+                frozen.tick(max(ticks[-1], 1e-6))
+        finally:
+            with admin_engine.connect() as conn:
+                conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+
+    assert (beat.lease, beat.halted) == (None, None)
+    assert min(ticks) > 0
+    failed = [r for r in caplog.records if r.getMessage().startswith("beat renewal failed")]
+    # Due at 5 s, then retried every 1.25 s, or at half the time left, but at least 50 ms apart:
+    # about a dozen attempts in the 8.5 s the lease was still trusted.
+    assert 8 <= len(failed) <= 14
+    assert len(ticks) < 30
