@@ -267,6 +267,37 @@ def test_a_run_dispatched_by_beat_passes_no_header_on(
     assert store.stale_runs() == []
 
 
+def test_a_retry_of_a_run_dispatched_by_beat_takes_a_lease_of_its_own(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Celery copies the request's headers into a retry, the beat's among them; the retry runs
+    on its own lease, even after another beat instance took over meanwhile."""
+    seen: list[list[Any]] = []
+    beat = take(store, "scheduler:test", holder="beat@test")
+
+    @fence.task(lease="tick", bind=True)
+    def tick(self: Any) -> str:
+        run = fence.current()
+        assert run.lease is not None
+        seen.append([self.request.retries, received_header(self.request), run.mode, run.epoch])
+        if self.request.retries == 0:
+            store.release(beat)
+            take(store, "scheduler:test", holder="beat-2@test")
+            raise self.retry(countdown=0)
+        return run.lease.name
+
+    header = FenceHeader.for_lease(beat, "join").to_message()
+    with worker():
+        result = tick.apply_async(headers={HEADER: header})
+        assert wait.finished(result) == states.SUCCESS
+
+    assert result.result == "tick"
+    assert seen == [[0, header, "join", 1], [1, None, "owner", 1]]
+    [entry] = store.history("tick")
+    assert entry.end_reason == "released"
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("mode", ["resume", "join"])
 def test_a_plain_task_passes_on_resume_headers_only(
     app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, mode: Mode

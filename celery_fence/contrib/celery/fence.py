@@ -153,7 +153,12 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
     value: object | None = None
     if run is not None:
         header = run.header()
-        value = None if header is None else header.to_message()
+        if header is None:
+            # A retry's message copies the request's headers: a run that publishes no header
+            # (one dispatched by beat) must not pass on the one it was sent with.
+            headers.pop(HEADER, None)
+            return
+        value = header.to_message()
     elif current_task:
         inherited = _header_of(current_task.request)
         if isinstance(inherited, Mapping) and inherited.get("mode") == "resume":
