@@ -228,6 +228,42 @@ def test_busy_retry_runs_once_the_owner_is_gone(
     assert fence.store.metrics.get("busy.retry") == 1
 
 
+def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    runs: list[int] = []
+
+    @fence.task(
+        lease="release:{environment}",
+        on_busy="retry",
+        bind=True,
+        autoretry_for=(ValueError,),
+        max_retries=1,
+        retry_kwargs={"countdown": 0},
+    )
+    def publish(self: Any, environment: str) -> None:
+        runs.append(self.request.retries)
+        raise ValueError("the release is not ready")
+
+    lease = store.acquire(NAME, holder=HOLDER, ttl=1.0).lease
+    assert lease is not None
+    with worker():
+        # Refused once (the busy retry allows fence_busy_max_retries, 10), then run: its own
+        # failure is retried by autoretry_for up to the task's max_retries of 1, not 10.
+        busy = publish.delay("prod")
+        wait.until(lambda: busy.state == states.RETRY, what="the busy run to be retried")
+        store.release(lease)
+        assert wait.finished(busy) == states.FAILURE
+        # A later run of the task has the same limit.
+        again = publish.delay("prod")
+        assert wait.finished(again) == states.FAILURE
+
+    assert runs == [1, 0, 1]
+    assert isinstance(busy.result, ValueError)
+    assert fence.store.metrics.get("busy.retry") == 1
+    assert "override_max_retries" not in vars(publish)
+
+
 @pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])
 def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     app: Celery,

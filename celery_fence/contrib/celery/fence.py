@@ -42,6 +42,7 @@ REJECTED = "REJECTED"
 RunMode = Literal["owner", "resume", "join"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
+_UNSET = object()
 
 
 class FencedRun:
@@ -592,9 +593,19 @@ class FencedTask(Task):  # type: ignore[misc]
                 remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
                 countdown = min(max(remaining, 0.5), self.fence.settings.max_ttl)
             log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": name})
-            raise self.retry(
-                countdown=countdown, max_retries=self.fence.settings.busy_max_retries, exc=error
-            )
+            # Celery keeps a max_retries given to retry() on the task object, which every later
+            # run of the task in this process shares, and autoretry_for goes by it from then on:
+            # the busy limit is put back to what it was once this retry is sent.
+            kept = self.__dict__.get("override_max_retries", _UNSET)
+            try:
+                raise self.retry(
+                    countdown=countdown, max_retries=self.fence.settings.busy_max_retries, exc=error
+                )
+            finally:
+                if kept is _UNSET:
+                    self.__dict__.pop("override_max_retries", None)
+                else:
+                    self.override_max_retries = kept
         if policy == "raise" or self.request.called_directly:
             log.info(message, extra={"lease": name})
             raise error
