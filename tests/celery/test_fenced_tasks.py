@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -262,6 +263,72 @@ def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
     assert isinstance(busy.result, ValueError)
     assert fence.store.metrics.get("busy.retry") == 1
     assert "override_max_retries" not in vars(publish)
+
+
+# Each: what became of the earlier delivery while the redelivery waited, the redelivery's end.
+EARLIER_DELIVERY = [
+    # Its worker was lost: the lease expires, and the redelivery does the work.
+    pytest.param("lost", states.SUCCESS, id="lost with its worker"),
+    # It still runs (the broker's visibility timeout): it renews the lease; the busy policy.
+    pytest.param("running", SKIPPED, id="still running"),
+    # It ran to its end and released the lease: the work is done; the busy policy.
+    pytest.param("finished", SKIPPED, id="finished"),
+]
+
+
+@pytest.mark.parametrize(("earlier", "end"), EARLIER_DELIVERY)
+def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end(
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    earlier: str,
+    end: str,
+) -> None:
+    """``acks_late``: the message comes back while a run of it holds the lease. Skipping at once
+    would acknowledge the only message left of work whose run may be gone."""
+    # Busy retries come back within a second (their countdown is capped at fence_max_ttl).
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    runs: list[int] = []
+
+    @fence.task(lease="release:{environment}", on_busy="skip", acks_late=True, bind=True)
+    def publish(self: Any, environment: str) -> str:
+        runs.append(self.request.retries)
+        return self.holder()
+
+    task_id = str(uuid.uuid4())
+    # The earlier delivery's holder, as the task makes it, on another worker.
+    first = f"{publish.name}[{task_id}]@celery@lost-host"
+    lease = store.acquire(NAME, holder=first, ttl=60).lease
+    assert lease is not None
+    with worker():
+        result = publish.apply_async(("prod",), task_id=task_id)
+        wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
+        if earlier == "lost":
+            expire_lease(NAME)
+        elif earlier == "running":
+            store.renew(lease)
+        else:
+            store.release(lease)
+        assert wait.finished(result) == end
+
+    assert fence.store.metrics.get("busy.retry") == 1
+    history = store.history(NAME)
+    if earlier == "lost":
+        assert len(runs) == 1
+        assert result.result.startswith(f"{publish.name}[{task_id}]@")
+        assert [(entry.epoch, entry.holder) for entry in history] == [
+            (2, result.result),
+            (1, first),
+        ]
+        assert fence.store.metrics.get("busy.skip") == 0
+    else:
+        assert runs == []
+        assert [entry.holder for entry in history] == [first]
+        assert result.info["owner_holder"] == first
+        assert fence.store.metrics.get("busy.skip") == 1
 
 
 @pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])

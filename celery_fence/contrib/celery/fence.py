@@ -28,7 +28,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease
+from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
@@ -43,6 +43,9 @@ RunMode = Literal["owner", "resume", "join"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
 _UNSET = object()
+#: A message header on the retry of a delivery that found an earlier delivery of the same message
+#: holding the lease: that lease's epoch and its expiry then (see ``FencedTask.refuse``).
+WAITING = "celery_fence_waiting"
 
 
 class FencedRun:
@@ -153,6 +156,8 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
     run = _current.get()
     value: object | None = None
     if run is not None:
+        # Nothing a run publishes waits for an earlier delivery, its own retries included.
+        headers.pop(WAITING, None)
         header = run.header()
         if header is None:
             # A retry's message copies the request's headers: a run that publishes no header
@@ -373,6 +378,12 @@ class Fence:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = max(task.fence_ttl or settings.default_ttl, task.fence_min_hold)
+        if task.waited_for() is not None:
+            # This delivery waited for an earlier delivery of its message to end: one that ran to
+            # its end and released the lease did the work, which must not run twice.
+            owner = self.store.owner(name)
+            if owner is not None and owner.state == "released" and task.earlier_delivery(owner):
+                task.refuse(name, Acquisition(outcome="held", lease=None, owner=owner))
         try:
             got = self.store.acquire(
                 name,
@@ -547,7 +558,44 @@ class FencedTask(Task):  # type: ignore[misc]
     def holder(self) -> str:
         request = self.request
         host = request.hostname or socket.gethostname()
-        return f"{self.name}[{request.id or 'direct'}]@{host}"[: validation.MAX_NAME_LENGTH]
+        return f"{self._run_name()}@{host}"[: validation.MAX_NAME_LENGTH]
+
+    def _run_name(self) -> str:
+        return f"{self.name}[{self.request.id or 'direct'}]"
+
+    def earlier_delivery(self, owner: Owner) -> bool:
+        """Whether ``owner`` is a run of this very message (the same task id, on any host), as a
+        redelivery finds it: with ``acks_late``, after a worker was lost, or after the broker's
+        visibility timeout while that run goes on."""
+        if self.request.called_directly or self.request.id is None:
+            return False
+        return owner.holder.startswith(f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH])
+
+    def waited_for(self) -> tuple[int, datetime] | None:
+        """The epoch and expiry of the earlier delivery's lease this delivery was retried to
+        wait for (the ``WAITING`` header), if any."""
+        value = (self.request.headers or {}).get(WAITING)
+        if not isinstance(value, Mapping):
+            return None
+        try:
+            return int(value["epoch"]), datetime.fromisoformat(value["expires_at"])
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def _waits_for_an_earlier_delivery(self, got: Acquisition) -> bool:
+        """Whether a refused delivery is to wait for its lease to expire, whatever its busy
+        policy: the lease is held by an earlier delivery of the same message that may be gone
+        (its worker lost), and is not kept on purpose after a finished run (``min_hold``).
+        Once a retry finds that the earlier delivery renewed the lease since, that delivery is
+        still running, and the busy policy applies."""
+        owner = got.owner
+        if got.outcome != "held" or owner is None or self.fence_min_hold:
+            return False
+        if not owner.held or not self.earlier_delivery(owner):
+            return False
+        waited = self.waited_for()
+        renewed = waited is not None and waited[0] == owner.epoch and owner.expires_at > waited[1]
+        return not renewed
 
     def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
         return check_timing(
@@ -575,7 +623,8 @@ class FencedTask(Task):  # type: ignore[misc]
             )
 
     def refuse(self, name: str, got: Acquisition) -> NoReturn:
-        """Apply the busy policy to a refused acquisition: skip, retry or raise."""
+        """Apply the busy policy to a refused acquisition: skip, retry or raise; a redelivery
+        whose earlier delivery still holds the lease retries whatever the policy."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -584,6 +633,20 @@ class FencedTask(Task):  # type: ignore[misc]
         message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
         if owner is not None and owner.paused:
             message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
+        if owner is not None and owner.state == "released":
+            # Only a delivery that waited for an earlier one is refused a released lease: that
+            # delivery did the work, so there is nothing to retry for.
+            message += "; an earlier delivery of this task ran and released it"
+            policy = "skip" if policy == "retry" else policy
+        options: dict[str, Any] = {}
+        if self._waits_for_an_earlier_delivery(got):
+            # Skipping would acknowledge the only message left of work whose run may be gone:
+            # wait for the lease to expire, as the retry policy does.
+            assert owner is not None
+            policy = "retry"
+            message += " (an earlier delivery of this task)"
+            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
+            options["headers"] = {**(self.request.headers or {}), WAITING: waiting}
         error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
         self.fence.store.metrics.incr(f"busy.{policy}")
@@ -599,7 +662,10 @@ class FencedTask(Task):  # type: ignore[misc]
             kept = self.__dict__.get("override_max_retries", _UNSET)
             try:
                 raise self.retry(
-                    countdown=countdown, max_retries=self.fence.settings.busy_max_retries, exc=error
+                    countdown=countdown,
+                    max_retries=self.fence.settings.busy_max_retries,
+                    exc=error,
+                    **options,
                 )
             finally:
                 if kept is _UNSET:
