@@ -128,6 +128,30 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
             r"ttl must be at most 60 seconds",
             id="task ttl over fence_max_ttl",
         ),
+        pytest.param(
+            {"fence_max_hold": 45},
+            {"ttl": 60},
+            r"max_hold \(45s\) must be at least the lease's ttl \(60s",
+            id="task ttl over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"ttl": 20, "max_hold": 10},
+            r"max_hold \(10s\) must be at least the lease's ttl \(20s",
+            id="task ttl over its max hold",
+        ),
+        pytest.param(
+            {"fence_max_hold": 45},
+            {"min_hold": 120},
+            r"max_hold \(45s\) must be at least the lease's ttl \(120s",
+            id="task min hold over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"time_limit": 172800},
+            r"time limit 172800s exceeds the lease's maximum hold 86400s \(the longer of its ttl",
+            id="time limit over the default maximum hold of a day",
+        ),
     ],
 )
 def test_impossible_task_timings_are_refused_at_startup(

@@ -33,7 +33,7 @@ from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
 from .headers import HEADER, FenceHeader, MalformedHeaderError
-from .settings import FenceSettings, check_timing
+from .settings import DEFAULT_MAX_HOLD, FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
 SKIPPED = "SKIPPED"
@@ -606,8 +606,9 @@ class FencedTask(Task):  # type: ignore[misc]
         )
 
     def check_timing(self, settings: FenceSettings) -> None:
-        """Reject timings that cannot work: a TTL above the maximum, a renew interval that
-        cannot keep the lease, a time limit longer than the maximum hold."""
+        """Reject timings that cannot work: a TTL above the maximum or above the maximum hold,
+        a renew interval that cannot keep the lease, a time limit longer than the maximum hold
+        (without one, the bound the database puts on every lease)."""
         ttl = validation.check_seconds(
             max(self.fence_ttl or settings.default_ttl, self.fence_min_hold),
             f"{self.name} ttl",
@@ -615,11 +616,24 @@ class FencedTask(Task):  # type: ignore[misc]
         )
         self.renew_interval(settings, ttl)
         max_hold = self.fence_max_hold or settings.max_hold
+        if max_hold is None:
+            hold = max(ttl, DEFAULT_MAX_HOLD)
+        else:
+            hold = validation.check_seconds(
+                max_hold, f"{self.name} max_hold", maximum=validation.MAX_HOLD_SECONDS
+            )
+            if hold < ttl:
+                # The store refuses such an acquisition: every run would fail.
+                raise ConfigurationError(
+                    f"{self.name}: max_hold ({hold:g}s) must be at least the lease's ttl "
+                    f"({ttl:g}s, the larger of the task's ttl and its min_hold)"
+                )
         time_limit = self.time_limit or self.app.conf.task_time_limit
-        if max_hold is not None and time_limit is not None and time_limit > max_hold:
+        if time_limit is not None and time_limit > hold:
+            bound = "" if max_hold is not None else " (the longer of its ttl and a day)"
             raise ConfigurationError(
                 f"{self.name}: time limit {time_limit:g}s exceeds the lease's maximum hold "
-                f"{max_hold:g}s, so the lease would end before the task could"
+                f"{hold:g}s{bound}, so the lease would end before the task could"
             )
 
     def refuse(self, name: str, got: Acquisition) -> NoReturn:

@@ -33,6 +33,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
+#: default of ``celery_fence.acquire``).
+DEFAULT_MAX_HOLD = 86_400.0
+
+
 def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ConfigurationError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
