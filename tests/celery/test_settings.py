@@ -198,3 +198,25 @@ def test_embedded_worker_refuses_to_start_with_impossible_timings(
     refused = pytest.raises(ConfigurationError, match=r"renew interval 9.5s must be shorter")
     with refused, worker():
         pytest.fail("the worker started")
+
+
+class DjangoSettings:
+    """A Django settings module, read with ``namespace="CELERY"``."""
+
+    CELERY_BROKER_URL = "memory://"
+    CELERY_FENCE_DATABASE_URL = "postgresql://db/fence"
+    CELERY_FENCE_ENVIRONMENT = "prod"
+    DEBUG = False
+
+
+@pytest.mark.parametrize("key", ["CELERY_FENCE_ENFORCMENT", "celery_fence_enforcement"])
+def test_keys_under_a_configuration_namespace_are_read_and_checked(key: str) -> None:
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    settings = Fence(app).settings
+    assert (settings.database_url, settings.environment) == ("postgresql://db/fence", "prod")
+
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(type("Misspelt", (DjangoSettings,), {key: "shadow"}), namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=rf"unknown celery-fence setting\(s\): {key}$"):
+        Fence(app).check_startup()

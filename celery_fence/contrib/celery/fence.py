@@ -212,7 +212,7 @@ class Fence:
     @property
     def settings(self) -> FenceSettings:
         if self._settings is None:
-            self._settings = FenceSettings.from_conf(self.app.conf)
+            self._settings = FenceSettings.from_conf(self.app.conf, self.app.namespace)
         return self._settings
 
     @property
