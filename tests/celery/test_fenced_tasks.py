@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery, states
+from celery import Celery, Task, states
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
@@ -78,6 +78,36 @@ def test_decorator_keeps_name_signature_and_celery_options(fence: Fence) -> None
     assert publish.fence_lease == "release:{environment}"
     assert publish.fence is fence
     assert publish.run("prod", 7) == "prod:7:stable"
+
+
+class AuditedTask(Task):  # type: ignore[misc]
+    """A base class of the app's own, as Celery's ``base=`` option takes."""
+
+    audited: list[str]
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        self.audited.append(task_id)
+
+
+def test_a_base_of_celery_is_combined_with_the_fence(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="release:{environment}", base=AuditedTask, audited=[])
+    def publish(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    assert isinstance(publish, FencedTask)
+    assert isinstance(publish, AuditedTask)
+    with worker():
+        result = publish.delay("prod")
+        assert wait.outcome(result) == ["owner", 1]
+
+    assert publish.audited == [result.id]
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+    with pytest.raises(ConfigurationError, match=r"base must be a subclass of celery\.Task"):
+        fence.task(lease="release", base=object)
 
 
 def test_decorator_rejects_an_unknown_busy_policy_at_declaration(fence: Fence) -> None:

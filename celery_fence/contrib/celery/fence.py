@@ -309,7 +309,7 @@ class Fence:
         # this one's fence.
         options.setdefault("shared", False)
         decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
-            base=FencedTask, **attributes, **options
+            base=_fenced_base(options.pop("base", None)), **attributes, **options
         )
         return decorator
 
@@ -713,6 +713,18 @@ class FencedTask(Task):  # type: ignore[misc]
             },
         )
         raise Ignore(str(error))
+
+
+def _fenced_base(base: object) -> type[FencedTask]:
+    """The class of a fenced task declared with Celery's ``base=``: one deriving from both
+    :class:`FencedTask` and that base, so that the fence wraps what the base adds."""
+    if base is None:
+        return FencedTask
+    if not isinstance(base, type) or not issubclass(base, Task):
+        raise ConfigurationError(f"base must be a subclass of celery.Task, got {base!r}")
+    if issubclass(base, FencedTask):
+        return base
+    return type(f"Fenced{base.__name__}", (FencedTask, base), {"__module__": base.__module__})
 
 
 def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
