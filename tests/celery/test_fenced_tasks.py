@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery, Task, states
+from celery import Celery, Task, chord, states
+from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
@@ -359,6 +360,37 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         assert [entry.holder for entry in history] == [first]
         assert result.info["owner_holder"] == first
         assert fence.store.metrics.get("busy.skip") == 1
+
+
+def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
+    app: Celery,
+    fence: Fence,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+) -> None:
+    publish = probe(on_busy="skip")
+    collected: list[Any] = []
+
+    @app.task(shared=False)
+    def collect(parts: list[Any]) -> None:
+        collected.append(parts)
+
+    epoch = hold(store, NAME)
+    with worker():
+        result = chord([publish.task.si("prod"), publish.task.si("prod")], collect.s()).delay()
+        assert wait.finished(result) == states.FAILURE
+        parts = [app.AsyncResult(part.id) for part in result.parent.results]
+
+    assert isinstance(result.result, ChordError)
+    assert "LeaseHeldError" in str(result.result)
+    assert [part.state for part in parts] == [states.FAILURE, states.FAILURE]
+    assert all(isinstance(part.result, LeaseHeldError) for part in parts)
+    assert f"held by {HOLDER} (epoch {epoch})" in str(parts[0].result)
+    assert collected == []
+    assert not publish.ran.is_set()
+    assert fence.store.metrics.get("busy.skip") == 2
 
 
 @pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])

@@ -699,6 +699,12 @@ class FencedTask(Task):  # type: ignore[misc]
         self._stop(REJECTED, error)
 
     def _stop(self, state: str, error: LeaseError) -> NoReturn:
+        if self.request.chord:
+            # A chord calls its body once every part has ended in a state Celery counts as
+            # finished, which SKIPPED and REJECTED are not: the chord would wait forever. A
+            # part fails with the error instead, and the chord with a ChordError naming it.
+            self.backend.mark_as_failure(self.request.id, error, request=self.request)
+            raise Ignore(str(error))
         owner = error.owner
         self.update_state(
             state=state,
