@@ -15,9 +15,29 @@ from celery_fence.observe import log
 
 Refresh = Callable[[Lease], Lease]
 
+#: The shortest wait before another attempt, so that a lease about to run out is not polled in a
+#: tight loop.
+MIN_WAIT = 0.05
+
+
+def next_attempt(lease: Lease, interval: float) -> float:
+    """Seconds until the next renewal of ``lease``: ``interval``, or sooner when the lease has
+    less than two intervals of trust left, so that the attempt comes while it is still trusted
+    with time to spare. A lease this holder renews itself has most of its TTL left, and
+    ``interval`` applies; one it only shares (a beat's, joined by the tasks it dispatches) may
+    have less left than the holder's interval."""
+    return max(MIN_WAIT, min(interval, lease.remaining() / 2))
+
+
+def retry_after_failure(lease: Lease, interval: float) -> float:
+    """Seconds until the next attempt after a renewal failed without a definite answer: sooner
+    than the normal interval, but never past the deadline, and never in a tight loop."""
+    return max(MIN_WAIT, min(interval / 4, lease.remaining() / 2))
+
 
 class LeaseKeeper:
-    """Calls ``refresh(lease)`` every ``interval`` seconds, off the caller's thread.
+    """Calls ``refresh(lease)`` every ``interval`` seconds, off the caller's thread; sooner
+    when the refreshed lease is trusted for less than two intervals (see :func:`next_attempt`).
 
     ``refresh`` is normally :meth:`LeaseStore.renew` on a store with a connection of its own, so
     a busy pool in the work cannot starve renewal. A definite "not yours"
@@ -50,7 +70,7 @@ class LeaseKeeper:
         return not self.lost.is_set() and self.lease.trusted
 
     def start(self) -> LeaseKeeper:
-        _renewals.schedule(self, time.monotonic() + self.interval)
+        _renewals.schedule(self, time.monotonic() + next_attempt(self.lease, self.interval))
         return self
 
     @property
@@ -92,8 +112,7 @@ class LeaseKeeper:
                         )
                     )
                     return None
-                # Retry sooner than the normal interval, but never past the deadline.
-                wait = max(0.05, min(self.interval / 4, lease.remaining() / 2))
+                wait = retry_after_failure(lease, self.interval)
                 log.warning(
                     "renewing lease %s failed, retrying in %.2fs: %s",
                     lease.name,
@@ -104,7 +123,7 @@ class LeaseKeeper:
                 return wait
             with self._lock:
                 self._lease = renewed
-            return self.interval
+            return next_attempt(renewed, self.interval)
 
     def _lose(self, error: LeaseLostError) -> None:
         self.error = error

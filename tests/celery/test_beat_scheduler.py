@@ -15,6 +15,9 @@ from datetime import timedelta
 import pytest
 from celery import Celery
 from celery.beat import ScheduleEntry
+from celery.schedules import crontab
+from freezegun import freeze_time
+from sqlalchemy.engine import Engine, make_url
 
 from celery_fence import LeaseStore
 from celery_fence.contrib.celery import HEADER, Fence
@@ -179,3 +182,108 @@ def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_
     beat.tick()
     assert beat.lease is not None
     assert (beat.lease.epoch, beat.halted) == (2, None)
+
+
+@pytest.fixture
+def clocked_app(fake_store: LeaseStore) -> Iterator[Celery]:
+    """An app whose scheduler instances use the injected clock, with one crontab entry every
+    two minutes."""
+    app = Celery("beat-clock-tests", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://",
+        task_default_queue=f"celery-fence-beat-{uuid.uuid4().hex}",
+        result_expires=None,
+        beat_schedule={ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")}},
+    )
+    Fence(app, store=fake_store)
+    yield app
+    app.close()
+
+
+def test_a_former_leader_that_leads_again_sends_nothing_its_successor_sent(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    def at(hhmmss: str) -> None:
+        frozen.move_to(f"2030-01-01T{hhmmss}+00:00")
+
+    def lead_for(instance: FencedScheduler, seconds: int) -> None:
+        """Tick ``instance`` every second for ``seconds`` seconds, as a running beat does."""
+        for _ in range(seconds):
+            frozen.tick(1)
+            instance.tick()
+            assert instance.lease is not None
+
+    def sent_at() -> list[str]:
+        return sorted(d.slot.strftime("%H:%M") for d in fake_store.dispatches(first.lease_name))
+
+    with freeze_time("2030-01-01T09:59:30+00:00", ignore=["_pytest.timing"]) as frozen:
+        first = FencedScheduler(app=clocked_app, lazy=False)
+        second = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            at("10:00:05")
+            first.tick()  # leads and sends the 10:00 slot
+            second.tick()  # standby: passes it
+            lead_for(first, 10)
+            assert sent_at() == ["10:00"]
+            # The first instance stalls past its TTL; the second takes over and sends 10:02.
+            at("10:02:05")
+            second.tick()
+            assert second.lease is not None
+            assert sent_at() == ["10:00", "10:02"]
+            second.close()
+            # The first wakes up, steps down, then leads again at 10:03: nothing is due.
+            at("10:03:05")
+            first.tick()
+            assert first.lease is None
+            lead_for(first, 50)
+            assert first.lease is not None
+            assert first.lease.epoch == 3
+            assert sent_at() == ["10:00", "10:02"]
+            assert len(queued(clocked_app)) == 2
+            # Its next slot goes out when due.
+            lead_for(first, 10)
+            assert sent_at() == ["10:00", "10:02", "10:04"]
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_leader_whose_renewals_fail_retries_at_a_pace_until_its_deadline_then_steps_down(
+    app: Celery,
+    scheduler: NewScheduler,
+    admin_engine: Engine,
+    database_url: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    database = make_url(database_url).database
+    with freeze_time("2030-01-01T00:00:00+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = scheduler()
+        beat.tick()
+        lease = beat.lease
+        assert lease is not None
+        # The database becomes unreachable: new connections are refused, open ones are ended.
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            conn.exec_driver_sql(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                f"WHERE datname = '{database}'"
+            )
+        try:
+            ticks = []
+            # Tick as celery beat does, sleeping what tick() returns, until the leader steps
+            # down (its lease is trusted for 13.5 s of 15).
+            while beat.lease is not None and len(ticks) < 100:
+                ticks.append(beat.tick())
+                # The frozen clock moves by whole microseconds; a real sleep takes at least one.
+                frozen.tick(max(ticks[-1], 1e-6))
+        finally:
+            with admin_engine.connect() as conn:
+                conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+
+    assert (beat.lease, beat.halted) == (None, None)
+    assert min(ticks) > 0
+    failed = [r for r in caplog.records if r.getMessage().startswith("beat renewal failed")]
+    # Due at 5 s, then retried every 1.25 s, or at half the time left, but at least 50 ms apart:
+    # about a dozen attempts in the 8.5 s the lease was still trusted.
+    assert 8 <= len(failed) <= 14
+    assert len(ticks) < 30

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import inspect
 import threading
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery, states
+from celery import Celery, Task, chord, states
+from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
@@ -77,6 +79,36 @@ def test_decorator_keeps_name_signature_and_celery_options(fence: Fence) -> None
     assert publish.fence_lease == "release:{environment}"
     assert publish.fence is fence
     assert publish.run("prod", 7) == "prod:7:stable"
+
+
+class AuditedTask(Task):  # type: ignore[misc]
+    """A base class of the app's own, as Celery's ``base=`` option takes."""
+
+    audited: list[str]
+
+    def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+        self.audited.append(task_id)
+
+
+def test_a_base_of_celery_is_combined_with_the_fence(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="release:{environment}", base=AuditedTask, audited=[])
+    def publish(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    assert isinstance(publish, FencedTask)
+    assert isinstance(publish, AuditedTask)
+    with worker():
+        result = publish.delay("prod")
+        assert wait.outcome(result) == ["owner", 1]
+
+    assert publish.audited == [result.id]
+    [entry] = store.history(NAME)
+    assert entry.end_reason == "released"
+    with pytest.raises(ConfigurationError, match=r"base must be a subclass of celery\.Task"):
+        fence.task(lease="release", base=object)
 
 
 def test_decorator_rejects_an_unknown_busy_policy_at_declaration(fence: Fence) -> None:
@@ -226,6 +258,139 @@ def test_busy_retry_runs_once_the_owner_is_gone(
     first, _ = store.history(NAME)[::-1]
     assert (first.holder, first.end_reason) == (HOLDER, owner_ends)
     assert fence.store.metrics.get("busy.retry") == 1
+
+
+def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    runs: list[int] = []
+
+    @fence.task(
+        lease="release:{environment}",
+        on_busy="retry",
+        bind=True,
+        autoretry_for=(ValueError,),
+        max_retries=1,
+        retry_kwargs={"countdown": 0},
+    )
+    def publish(self: Any, environment: str) -> None:
+        runs.append(self.request.retries)
+        raise ValueError("the release is not ready")
+
+    lease = store.acquire(NAME, holder=HOLDER, ttl=1.0).lease
+    assert lease is not None
+    with worker():
+        # Refused once (the busy retry allows fence_busy_max_retries, 10), then run: its own
+        # failure is retried by autoretry_for up to the task's max_retries of 1, not 10.
+        busy = publish.delay("prod")
+        wait.until(lambda: busy.state == states.RETRY, what="the busy run to be retried")
+        store.release(lease)
+        assert wait.finished(busy) == states.FAILURE
+        # A later run of the task has the same limit.
+        again = publish.delay("prod")
+        assert wait.finished(again) == states.FAILURE
+
+    assert runs == [1, 0, 1]
+    assert isinstance(busy.result, ValueError)
+    assert fence.store.metrics.get("busy.retry") == 1
+    assert "override_max_retries" not in vars(publish)
+
+
+# Each: what became of the earlier delivery while the redelivery waited, the redelivery's end.
+EARLIER_DELIVERY = [
+    # Its worker was lost: the lease expires, and the redelivery does the work.
+    pytest.param("lost", states.SUCCESS, id="lost with its worker"),
+    # It still runs (the broker's visibility timeout): it renews the lease; the busy policy.
+    pytest.param("running", SKIPPED, id="still running"),
+    # It ran to its end and released the lease: the work is done; the busy policy.
+    pytest.param("finished", SKIPPED, id="finished"),
+]
+
+
+@pytest.mark.parametrize(("earlier", "end"), EARLIER_DELIVERY)
+def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end(
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    earlier: str,
+    end: str,
+) -> None:
+    """``acks_late``: the message comes back while a run of it holds the lease. Skipping at once
+    would acknowledge the only message left of work whose run may be gone."""
+    # Busy retries come back within a second (their countdown is capped at fence_max_ttl).
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    runs: list[int] = []
+
+    @fence.task(lease="release:{environment}", on_busy="skip", acks_late=True, bind=True)
+    def publish(self: Any, environment: str) -> str:
+        runs.append(self.request.retries)
+        return self.holder()
+
+    task_id = str(uuid.uuid4())
+    # The earlier delivery's holder, as the task makes it, on another worker.
+    first = f"{publish.name}[{task_id}]@celery@lost-host"
+    lease = store.acquire(NAME, holder=first, ttl=60).lease
+    assert lease is not None
+    with worker():
+        result = publish.apply_async(("prod",), task_id=task_id)
+        wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
+        if earlier == "lost":
+            expire_lease(NAME)
+        elif earlier == "running":
+            store.renew(lease)
+        else:
+            store.release(lease)
+        assert wait.finished(result) == end
+
+    assert fence.store.metrics.get("busy.retry") == 1
+    history = store.history(NAME)
+    if earlier == "lost":
+        assert len(runs) == 1
+        assert result.result.startswith(f"{publish.name}[{task_id}]@")
+        assert [(entry.epoch, entry.holder) for entry in history] == [
+            (2, result.result),
+            (1, first),
+        ]
+        assert fence.store.metrics.get("busy.skip") == 0
+    else:
+        assert runs == []
+        assert [entry.holder for entry in history] == [first]
+        assert result.info["owner_holder"] == first
+        assert fence.store.metrics.get("busy.skip") == 1
+
+
+def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
+    app: Celery,
+    fence: Fence,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+) -> None:
+    publish = probe(on_busy="skip")
+    collected: list[Any] = []
+
+    @app.task(shared=False)
+    def collect(parts: list[Any]) -> None:
+        collected.append(parts)
+
+    epoch = hold(store, NAME)
+    with worker():
+        result = chord([publish.task.si("prod"), publish.task.si("prod")], collect.s()).delay()
+        assert wait.finished(result) == states.FAILURE
+        parts = [app.AsyncResult(part.id) for part in result.parent.results]
+
+    assert isinstance(result.result, ChordError)
+    assert "LeaseHeldError" in str(result.result)
+    assert [part.state for part in parts] == [states.FAILURE, states.FAILURE]
+    assert all(isinstance(part.result, LeaseHeldError) for part in parts)
+    assert f"held by {HOLDER} (epoch {epoch})" in str(parts[0].result)
+    assert collected == []
+    assert not publish.ran.is_set()
+    assert fence.store.metrics.get("busy.skip") == 2
 
 
 @pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])

@@ -267,6 +267,37 @@ def test_a_run_dispatched_by_beat_passes_no_header_on(
     assert store.stale_runs() == []
 
 
+def test_a_retry_of_a_run_dispatched_by_beat_takes_a_lease_of_its_own(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Celery copies the request's headers into a retry, the beat's among them; the retry runs
+    on its own lease, even after another beat instance took over meanwhile."""
+    seen: list[list[Any]] = []
+    beat = take(store, "scheduler:test", holder="beat@test")
+
+    @fence.task(lease="tick", bind=True)
+    def tick(self: Any) -> str:
+        run = fence.current()
+        assert run.lease is not None
+        seen.append([self.request.retries, received_header(self.request), run.mode, run.epoch])
+        if self.request.retries == 0:
+            store.release(beat)
+            take(store, "scheduler:test", holder="beat-2@test")
+            raise self.retry(countdown=0)
+        return run.lease.name
+
+    header = FenceHeader.for_lease(beat, "join").to_message()
+    with worker():
+        result = tick.apply_async(headers={HEADER: header})
+        assert wait.finished(result) == states.SUCCESS
+
+    assert result.result == "tick"
+    assert seen == [[0, header, "join", 1], [1, None, "owner", 1]]
+    [entry] = store.history("tick")
+    assert entry.end_reason == "released"
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("mode", ["resume", "join"])
 def test_a_plain_task_passes_on_resume_headers_only(
     app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, mode: Mode
@@ -416,6 +447,26 @@ def test_keeper_rides_out_an_unexpected_error_until_the_deadline(
     assert keeper.error is not None
     assert (keeper.error.reason, keeper.error.epoch) == ("expired", 1)
     assert "the renewal connection broke" in str(keeper.error)
+
+
+def test_keeper_renews_its_own_lease_every_interval_and_a_shared_one_before_its_trust_ends(
+    store: LeaseStore, short_lease: Callable[[float], Lease]
+) -> None:
+    own = LeaseKeeper(take(store, name="keeper:own", ttl=30), store.renew, interval=10)
+    # A lease shared with a holder that renews it elsewhere: each refresh finds only 2 s left.
+    lease = short_lease(2)
+    shared = LeaseKeeper(
+        lease,
+        lambda current: dataclasses.replace(current, deadline=time.monotonic() + 2),
+        interval=10,
+    )
+
+    assert own.renew_once() == 10
+    wait = shared.renew_once()
+    assert wait is not None
+    assert 0.9 < wait <= 1
+    assert own.held
+    assert shared.held
 
 
 @pytest.fixture

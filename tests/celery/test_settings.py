@@ -128,6 +128,30 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
             r"ttl must be at most 60 seconds",
             id="task ttl over fence_max_ttl",
         ),
+        pytest.param(
+            {"fence_max_hold": 45},
+            {"ttl": 60},
+            r"max_hold \(45s\) must be at least the lease's ttl \(60s",
+            id="task ttl over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"ttl": 20, "max_hold": 10},
+            r"max_hold \(10s\) must be at least the lease's ttl \(20s",
+            id="task ttl over its max hold",
+        ),
+        pytest.param(
+            {"fence_max_hold": 45},
+            {"min_hold": 120},
+            r"max_hold \(45s\) must be at least the lease's ttl \(120s",
+            id="task min hold over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"time_limit": 172800},
+            r"time limit 172800s exceeds the lease's maximum hold 86400s \(the longer of its ttl",
+            id="time limit over the default maximum hold of a day",
+        ),
     ],
 )
 def test_impossible_task_timings_are_refused_at_startup(
@@ -174,3 +198,25 @@ def test_embedded_worker_refuses_to_start_with_impossible_timings(
     refused = pytest.raises(ConfigurationError, match=r"renew interval 9.5s must be shorter")
     with refused, worker():
         pytest.fail("the worker started")
+
+
+class DjangoSettings:
+    """A Django settings module, read with ``namespace="CELERY"``."""
+
+    CELERY_BROKER_URL = "memory://"
+    CELERY_FENCE_DATABASE_URL = "postgresql://db/fence"
+    CELERY_FENCE_ENVIRONMENT = "prod"
+    DEBUG = False
+
+
+@pytest.mark.parametrize("key", ["CELERY_FENCE_ENFORCMENT", "celery_fence_enforcement"])
+def test_keys_under_a_configuration_namespace_are_read_and_checked(key: str) -> None:
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(DjangoSettings, namespace="CELERY")
+    settings = Fence(app).settings
+    assert (settings.database_url, settings.environment) == ("postgresql://db/fence", "prod")
+
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(type("Misspelt", (DjangoSettings,), {key: "shadow"}), namespace="CELERY")
+    with pytest.raises(ConfigurationError, match=rf"unknown celery-fence setting\(s\): {key}$"):
+        Fence(app).check_startup()

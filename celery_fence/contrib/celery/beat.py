@@ -24,6 +24,7 @@ from celery import schedules
 from celery.beat import ScheduleEntry, Scheduler
 
 from celery_fence.exceptions import FenceDatabaseError, LeaseLostError, LeasePausedError
+from celery_fence.keeper import retry_after_failure
 from celery_fence.models import Lease
 from celery_fence.observe import log
 
@@ -62,7 +63,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.lease: Lease | None = None
         self.highest_epoch = 0
         self.halted: str | None = None
-        self._renewed_at = 0.0
+        self._renew_at = 0.0
         self._standby_reason: str | None = None
         super().__init__(app, *args, **kwargs)
         self.max_interval = min(self.max_interval, self.renew_interval)
@@ -127,6 +128,11 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             )
             return
         self._take(got.lease)
+        # Celery's heap still holds the entries as they were when this instance last led: on
+        # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its heap
+        # only when an entry's task, arguments, options or schedule change, never for a new
+        # last run. Left as it was, the heap would send at once what came due meanwhile.
+        self._heap = None
         log.warning(
             "beat leads %s at epoch %d as %s",
             self.lease_name,
@@ -184,12 +190,12 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 self.reserve(entry)
 
     def _until_renewal(self) -> float:
-        return self._renewed_at + self.renew_interval - time.monotonic()
+        return self._renew_at - time.monotonic()
 
     def _take(self, lease: Lease) -> None:
         self.lease = lease
         self.highest_epoch = max(self.highest_epoch, lease.epoch)
-        self._renewed_at = time.monotonic()
+        self._renew_at = time.monotonic() + self.renew_interval
         self._standby_reason = None
 
     def _renew(self) -> None:
@@ -204,7 +210,11 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             if not lease.trusted:
                 self._step_down(f"could not renew before the deadline: {exc}", lease)
             else:
-                log.warning("beat renewal failed, retrying: %s", exc)
+                # Try again sooner than the interval but not at once: tick() returns the time
+                # until then, and celery beat ticks again without sleeping when it is zero.
+                wait = retry_after_failure(lease, self.renew_interval)
+                self._renew_at = time.monotonic() + wait
+                log.warning("beat renewal failed, retrying in %.2fs: %s", wait, exc)
             return
         if renewed.epoch != lease.epoch:
             self._halt(f"renewal returned epoch {renewed.epoch} for epoch {lease.epoch}")

@@ -28,12 +28,12 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease
+from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
 from .headers import HEADER, FenceHeader, MalformedHeaderError
-from .settings import FenceSettings, check_timing
+from .settings import DEFAULT_MAX_HOLD, FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
 SKIPPED = "SKIPPED"
@@ -42,6 +42,10 @@ REJECTED = "REJECTED"
 RunMode = Literal["owner", "resume", "join"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
+_UNSET = object()
+#: A message header on the retry of a delivery that found an earlier delivery of the same message
+#: holding the lease: that lease's epoch and its expiry then (see ``FencedTask.refuse``).
+WAITING = "celery_fence_waiting"
 
 
 class FencedRun:
@@ -152,8 +156,15 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
     run = _current.get()
     value: object | None = None
     if run is not None:
+        # Nothing a run publishes waits for an earlier delivery, its own retries included.
+        headers.pop(WAITING, None)
         header = run.header()
-        value = None if header is None else header.to_message()
+        if header is None:
+            # A retry's message copies the request's headers: a run that publishes no header
+            # (one dispatched by beat) must not pass on the one it was sent with.
+            headers.pop(HEADER, None)
+            return
+        value = header.to_message()
     elif current_task:
         inherited = _header_of(current_task.request)
         if isinstance(inherited, Mapping) and inherited.get("mode") == "resume":
@@ -201,7 +212,7 @@ class Fence:
     @property
     def settings(self) -> FenceSettings:
         if self._settings is None:
-            self._settings = FenceSettings.from_conf(self.app.conf)
+            self._settings = FenceSettings.from_conf(self.app.conf, self.app.namespace)
         return self._settings
 
     @property
@@ -298,7 +309,7 @@ class Fence:
         # this one's fence.
         options.setdefault("shared", False)
         decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
-            base=FencedTask, **attributes, **options
+            base=_fenced_base(options.pop("base", None)), **attributes, **options
         )
         return decorator
 
@@ -367,6 +378,12 @@ class Fence:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = max(task.fence_ttl or settings.default_ttl, task.fence_min_hold)
+        if task.waited_for() is not None:
+            # This delivery waited for an earlier delivery of its message to end: one that ran to
+            # its end and released the lease did the work, which must not run twice.
+            owner = self.store.owner(name)
+            if owner is not None and owner.state == "released" and task.earlier_delivery(owner):
+                task.refuse(name, Acquisition(outcome="held", lease=None, owner=owner))
         try:
             got = self.store.acquire(
                 name,
@@ -541,7 +558,44 @@ class FencedTask(Task):  # type: ignore[misc]
     def holder(self) -> str:
         request = self.request
         host = request.hostname or socket.gethostname()
-        return f"{self.name}[{request.id or 'direct'}]@{host}"[: validation.MAX_NAME_LENGTH]
+        return f"{self._run_name()}@{host}"[: validation.MAX_NAME_LENGTH]
+
+    def _run_name(self) -> str:
+        return f"{self.name}[{self.request.id or 'direct'}]"
+
+    def earlier_delivery(self, owner: Owner) -> bool:
+        """Whether ``owner`` is a run of this very message (the same task id, on any host), as a
+        redelivery finds it: with ``acks_late``, after a worker was lost, or after the broker's
+        visibility timeout while that run goes on."""
+        if self.request.called_directly or self.request.id is None:
+            return False
+        return owner.holder.startswith(f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH])
+
+    def waited_for(self) -> tuple[int, datetime] | None:
+        """The epoch and expiry of the earlier delivery's lease this delivery was retried to
+        wait for (the ``WAITING`` header), if any."""
+        value = (self.request.headers or {}).get(WAITING)
+        if not isinstance(value, Mapping):
+            return None
+        try:
+            return int(value["epoch"]), datetime.fromisoformat(value["expires_at"])
+        except (TypeError, KeyError, ValueError):
+            return None
+
+    def _waits_for_an_earlier_delivery(self, got: Acquisition) -> bool:
+        """Whether a refused delivery is to wait for its lease to expire, whatever its busy
+        policy: the lease is held by an earlier delivery of the same message that may be gone
+        (its worker lost), and is not kept on purpose after a finished run (``min_hold``).
+        Once a retry finds that the earlier delivery renewed the lease since, that delivery is
+        still running, and the busy policy applies."""
+        owner = got.owner
+        if got.outcome != "held" or owner is None or self.fence_min_hold:
+            return False
+        if not owner.held or not self.earlier_delivery(owner):
+            return False
+        waited = self.waited_for()
+        renewed = waited is not None and waited[0] == owner.epoch and owner.expires_at > waited[1]
+        return not renewed
 
     def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
         return check_timing(
@@ -552,8 +606,9 @@ class FencedTask(Task):  # type: ignore[misc]
         )
 
     def check_timing(self, settings: FenceSettings) -> None:
-        """Reject timings that cannot work: a TTL above the maximum, a renew interval that
-        cannot keep the lease, a time limit longer than the maximum hold."""
+        """Reject timings that cannot work: a TTL above the maximum or above the maximum hold,
+        a renew interval that cannot keep the lease, a time limit longer than the maximum hold
+        (without one, the bound the database puts on every lease)."""
         ttl = validation.check_seconds(
             max(self.fence_ttl or settings.default_ttl, self.fence_min_hold),
             f"{self.name} ttl",
@@ -561,15 +616,29 @@ class FencedTask(Task):  # type: ignore[misc]
         )
         self.renew_interval(settings, ttl)
         max_hold = self.fence_max_hold or settings.max_hold
+        if max_hold is None:
+            hold = max(ttl, DEFAULT_MAX_HOLD)
+        else:
+            hold = validation.check_seconds(
+                max_hold, f"{self.name} max_hold", maximum=validation.MAX_HOLD_SECONDS
+            )
+            if hold < ttl:
+                # The store refuses such an acquisition: every run would fail.
+                raise ConfigurationError(
+                    f"{self.name}: max_hold ({hold:g}s) must be at least the lease's ttl "
+                    f"({ttl:g}s, the larger of the task's ttl and its min_hold)"
+                )
         time_limit = self.time_limit or self.app.conf.task_time_limit
-        if max_hold is not None and time_limit is not None and time_limit > max_hold:
+        if time_limit is not None and time_limit > hold:
+            bound = "" if max_hold is not None else " (the longer of its ttl and a day)"
             raise ConfigurationError(
                 f"{self.name}: time limit {time_limit:g}s exceeds the lease's maximum hold "
-                f"{max_hold:g}s, so the lease would end before the task could"
+                f"{hold:g}s{bound}, so the lease would end before the task could"
             )
 
     def refuse(self, name: str, got: Acquisition) -> NoReturn:
-        """Apply the busy policy to a refused acquisition: skip, retry or raise."""
+        """Apply the busy policy to a refused acquisition: skip, retry or raise; a redelivery
+        whose earlier delivery still holds the lease retries whatever the policy."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -578,6 +647,20 @@ class FencedTask(Task):  # type: ignore[misc]
         message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
         if owner is not None and owner.paused:
             message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
+        if owner is not None and owner.state == "released":
+            # Only a delivery that waited for an earlier one is refused a released lease: that
+            # delivery did the work, so there is nothing to retry for.
+            message += "; an earlier delivery of this task ran and released it"
+            policy = "skip" if policy == "retry" else policy
+        options: dict[str, Any] = {}
+        if self._waits_for_an_earlier_delivery(got):
+            # Skipping would acknowledge the only message left of work whose run may be gone:
+            # wait for the lease to expire, as the retry policy does.
+            assert owner is not None
+            policy = "retry"
+            message += " (an earlier delivery of this task)"
+            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
+            options["headers"] = {**(self.request.headers or {}), WAITING: waiting}
         error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
         self.fence.store.metrics.incr(f"busy.{policy}")
@@ -587,9 +670,22 @@ class FencedTask(Task):  # type: ignore[misc]
                 remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
                 countdown = min(max(remaining, 0.5), self.fence.settings.max_ttl)
             log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": name})
-            raise self.retry(
-                countdown=countdown, max_retries=self.fence.settings.busy_max_retries, exc=error
-            )
+            # Celery keeps a max_retries given to retry() on the task object, which every later
+            # run of the task in this process shares, and autoretry_for goes by it from then on:
+            # the busy limit is put back to what it was once this retry is sent.
+            kept = self.__dict__.get("override_max_retries", _UNSET)
+            try:
+                raise self.retry(
+                    countdown=countdown,
+                    max_retries=self.fence.settings.busy_max_retries,
+                    exc=error,
+                    **options,
+                )
+            finally:
+                if kept is _UNSET:
+                    self.__dict__.pop("override_max_retries", None)
+                else:
+                    self.override_max_retries = kept
         if policy == "raise" or self.request.called_directly:
             log.info(message, extra={"lease": name})
             raise error
@@ -603,6 +699,12 @@ class FencedTask(Task):  # type: ignore[misc]
         self._stop(REJECTED, error)
 
     def _stop(self, state: str, error: LeaseError) -> NoReturn:
+        if self.request.chord:
+            # A chord calls its body once every part has ended in a state Celery counts as
+            # finished, which SKIPPED and REJECTED are not: the chord would wait forever. A
+            # part fails with the error instead, and the chord with a ChordError naming it.
+            self.backend.mark_as_failure(self.request.id, error, request=self.request)
+            raise Ignore(str(error))
         owner = error.owner
         self.update_state(
             state=state,
@@ -617,6 +719,18 @@ class FencedTask(Task):  # type: ignore[misc]
             },
         )
         raise Ignore(str(error))
+
+
+def _fenced_base(base: object) -> type[FencedTask]:
+    """The class of a fenced task declared with Celery's ``base=``: one deriving from both
+    :class:`FencedTask` and that base, so that the fence wraps what the base adds."""
+    if base is None:
+        return FencedTask
+    if not isinstance(base, type) or not issubclass(base, Task):
+        raise ConfigurationError(f"base must be a subclass of celery.Task, got {base!r}")
+    if issubclass(base, FencedTask):
+        return base
+    return type(f"Fenced{base.__name__}", (FencedTask, base), {"__module__": base.__module__})
 
 
 def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:

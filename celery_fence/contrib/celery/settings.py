@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from celery.utils.text import match_case
+
 from celery_fence import validation
 from celery_fence.exceptions import ConfigurationError
 
@@ -33,6 +35,11 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
+#: default of ``celery_fence.acquire``).
+DEFAULT_MAX_HOLD = 86_400.0
+
+
 def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ConfigurationError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
@@ -53,6 +60,21 @@ def check_timing(
             f"holder trusts a {ttl:g}s lease (ttl less the {safety_margin:.0%} safety margin)"
         )
     return interval
+
+
+def _unknown_key(key: str, namespace: str | None) -> bool:
+    """Whether ``key`` is meant for celery-fence but is none of its keys as Celery looks them
+    up: ``fence_x``, and under a namespace also ``CELERY_FENCE_X`` (in the namespace's case)."""
+    if key in DEFAULTS:
+        return False
+    if namespace:
+        prefix = namespace.rstrip("_") + "_"
+        if key.lower().startswith(prefix.lower()) and key[len(prefix) :].lower().startswith(
+            "fence_"
+        ):
+            name = key[len(prefix) :].lower()
+            return name not in DEFAULTS or key != match_case(prefix + name, prefix)
+    return key.startswith("fence_")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,15 +98,17 @@ class FenceSettings:
     beat_renew_interval: float
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, Any]) -> FenceSettings:
+    def from_conf(cls, conf: Mapping[str, Any], namespace: str | None = None) -> FenceSettings:
         """Read and validate every ``fence_*`` key; raise :class:`ConfigurationError` on the
-        first impossible value, naming the key."""
+        first impossible value, naming the key. ``namespace`` is the app's configuration
+        namespace (``app.config_from_object(..., namespace="CELERY")``), under which the keys
+        are spelt ``CELERY_FENCE_...``."""
 
         def get(key: str) -> Any:
             value = conf.get(key)
             return DEFAULTS[key] if value is None else value
 
-        unknown = sorted(k for k in conf if k.startswith("fence_") and k not in DEFAULTS)
+        unknown = sorted(k for k in conf if _unknown_key(k, namespace))
         if unknown:
             raise ConfigurationError(f"unknown celery-fence setting(s): {', '.join(unknown)}")
         max_ttl = validation.check_seconds(
