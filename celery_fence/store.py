@@ -38,6 +38,8 @@ _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
+# The savepoint a shadow-mode check runs in, inside the caller's transaction.
+_SHADOW_SAVEPOINT = "celery_fence_shadow_check"
 # What celery_fence.release() notifies, with the lease's name as payload.
 _RELEASED_CHANNEL = "celery_fence_released"
 #: A waiting acquisition looks again at least this often (seconds), notified or not: a lease
@@ -643,7 +645,8 @@ class LeaseStore:
         recorded on the store's own connection, so the record survives that rollback.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
-        blocked.
+        blocked: the check runs in a savepoint, so that one failing under REPEATABLE READ or
+        SERIALIZABLE leaves the caller's transaction to commit.
         """
         action = self._action(action)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
@@ -671,12 +674,9 @@ class LeaseStore:
             "now": self._now(),
         }
         if not enforce:
-            try:
-                (row,) = self._run(cursor, "check_fence", params)
-            except self._driver_errors as exc:
-                raise _wrap(exc) from exc
-            if row["reason"] is not None:
-                self._record_rejection(lease, row["reason"], action, False)
+            reason = self._shadow_check(cursor, params)
+            if reason is not None:
+                self._record_rejection(lease, reason, action, False)
             return
         try:
             self._run(cursor, "fence", params)
@@ -701,6 +701,27 @@ class LeaseStore:
                 reason=reason,
             ) from exc
         self.metrics.incr("guard.committed")
+
+    def _shadow_check(self, cursor: Any, params: Mapping[str, Any]) -> str | None:
+        """Why a shadow-mode write's lease is stale, or ``None`` while it holds. The check runs
+        in a savepoint of the caller's transaction: a check that fails there is rolled back to
+        the savepoint, so that the transaction goes on and commits, as shadow mode promises."""
+        try:
+            cursor.execute(f"SAVEPOINT {_SHADOW_SAVEPOINT}")
+            try:
+                (row,) = self._run(cursor, "check_fence", params)
+                reason: str | None = row["reason"]
+            except self._driver_errors as exc:
+                # Under REPEATABLE READ or SERIALIZABLE, a lease row changed after the snapshot
+                # cannot be locked: the row stays unlocked, and the lease is judged afresh.
+                if _sqlstate(exc) != _SERIALIZATION_FAILURE:
+                    raise
+                cursor.execute(f"ROLLBACK TO SAVEPOINT {_SHADOW_SAVEPOINT}")
+                reason = self._fence_failure(exc, params)
+            cursor.execute(f"RELEASE SAVEPOINT {_SHADOW_SAVEPOINT}")
+        except self._driver_errors as exc:
+            raise _wrap(exc) from exc
+        return reason
 
     def _fence_failure(self, exc: BaseException, params: Mapping[str, Any]) -> str | None:
         """Why a fence check failed because its lease is stale, or ``None`` when it failed for
