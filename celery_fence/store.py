@@ -645,8 +645,9 @@ class LeaseStore:
         recorded on the store's own connection, so the record survives that rollback.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
-        blocked: the check runs in a savepoint, so that one failing under REPEATABLE READ or
-        SERIALIZABLE leaves the caller's transaction to commit.
+        blocked, and a stale write is recorded once (the database's reason, else ``expired``
+        for a lease past its deadline); the check runs in a savepoint, so that one failing under
+        REPEATABLE READ or SERIALIZABLE leaves the caller's transaction to commit.
         """
         action = self._action(action)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
@@ -656,16 +657,16 @@ class LeaseStore:
                 "guard needs a connection in a transaction, not in autocommit: each write would "
                 "commit before the fence check"
             )
-        if not lease.trusted:
-            self._record_rejection(lease, "expired", action, enforce)
-            if enforce:
-                raise StaleEpochError(
-                    f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
-                    lease_name=lease.name,
-                    epoch=lease.epoch,
-                    owner=self.owner(lease.name),
-                    reason="expired",
-                )
+        trusted = lease.trusted
+        if not trusted and enforce:
+            self._record_rejection(lease, "expired", action, True)
+            raise StaleEpochError(
+                f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
+                lease_name=lease.name,
+                epoch=lease.epoch,
+                owner=self.owner(lease.name),
+                reason="expired",
+            )
         yield lease
         params = {
             "name": lease.name,
@@ -674,7 +675,9 @@ class LeaseStore:
             "now": self._now(),
         }
         if not enforce:
-            reason = self._shadow_check(cursor, params)
+            # One record for one write: the database's reason when it finds the lease stale
+            # (superseded rather than expired, say), else the holder's own deadline's.
+            reason = self._shadow_check(cursor, params) or (None if trusted else "expired")
             if reason is not None:
                 self._record_rejection(lease, reason, action, False)
             return

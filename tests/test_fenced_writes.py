@@ -240,6 +240,28 @@ def test_a_lease_past_its_local_deadline_is_rejected_before_the_body(
     )
 
 
+@pytest.mark.parametrize("reason", ["expired", "superseded"])
+def test_shadow_mode_records_a_write_past_its_deadline_once_with_the_database_reason(
+    fake_store: LeaseStore, protected: Engine, reason: str
+) -> None:
+    with freeze_time("2030-01-01T00:00:00+00:00") as frozen:
+        lease = acquire(fake_store, "release-41", ttl=10)
+        frozen.tick(11)  # past the holder's deadline and, by the database clock, expired
+        if reason == "superseded":
+            acquire(fake_store, "release-42")
+        with (
+            protected.begin() as conn,
+            fake_store.guard(lease, conn, action="publish", enforce=False),
+        ):
+            conn.execute(UPDATE, {"value": "shadow"})
+    assert protected_value(protected) == "shadow"
+    assert [(r.reason, r.action, r.enforced) for r in fake_store.stale_runs()] == [
+        (reason, "publish", False)
+    ]
+    rejected = {k: n for k, n in fake_store.metrics.snapshot().items() if k.startswith("rejected")}
+    assert rejected == {f"rejected.{reason}": 1}
+
+
 # -- pitfall 2: a fenced write that waits on a row lock while its lease passes on ---------------
 
 
