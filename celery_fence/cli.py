@@ -377,7 +377,11 @@ def holder_options(command: F) -> F:
     """NAME and the holder's identity, as flags or as the JSON an acquire or renew printed."""
     decorators = (
         click.argument("name", required=False),
-        click.option("--epoch", type=click.IntRange(min=1), help="The epoch acquire granted."),
+        click.option(
+            "--epoch",
+            type=click.IntRange(1, validation.MAX_EPOCH),
+            help="The epoch acquire granted.",
+        ),
         click.option("--token", help="The token acquire granted (a UUID)."),
         click.option("--holder", help="The holder that acquired."),
         click.option(
@@ -419,8 +423,7 @@ def held_lease(
     Those calls send only the name, epoch, token and holder (renew also the TTL): the times are
     unknown here and stay placeholders, and the deadline counts from now.
     """
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-        raise ConfigurationError(f"epoch must be a positive integer, got {epoch!r}")
+    checked_epoch = validation.check_epoch(epoch)
     try:
         parsed_token = UUID(str(token))
     except ValueError as exc:
@@ -432,7 +435,7 @@ def held_lease(
         environment=validation.check_environment(environment),
         holder=validation.check_holder(holder),
         purpose="",
-        epoch=epoch,
+        epoch=checked_epoch,
         token=parsed_token,
         acquired_at=_UNKNOWN_TIME,
         expires_at=_UNKNOWN_TIME,

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -32,6 +33,8 @@ from celery_fence.observe import Metrics, log, stale_log
 
 Clock = Callable[[], datetime]
 Mode = Literal["join", "resume"]
+#: The reasons a stale run is recorded for (the CHECK of ``celery_fence.stale_runs.reason``).
+_STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "missing", "malformed")
 
 # Where _cursor() keeps its cursor in a pooled connection's info.
 _CURSOR_INFO = "celery_fence.cursor"
@@ -45,7 +48,11 @@ _RELEASED_CHANNEL = "celery_fence_released"
 #: A waiting acquisition looks again at least this often (seconds), notified or not: a lease
 #: that runs out, rather than being released, sends no notification.
 RECHECK_INTERVAL = 1.0
+# Missing objects: the schema's when the message names one of its objects (``celery_fence.x``,
+# schema "celery_fence"), else a plain database error (an operator or type the caller's own
+# arguments asked for, say).
 _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
+_SCHEMA_OBJECT = re.compile(r'(?<![\w"])"?celery_fence"?\.|schema "celery_fence"')
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
     "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
@@ -100,7 +107,7 @@ def _sqlstate(exc: BaseException) -> str | None:
 def _wrap(exc: BaseException) -> FenceDatabaseError | ConfigurationError:
     state = _sqlstate(exc)
     detail = (str(_driver_error(exc)).strip().splitlines() or [type(exc).__name__])[0]
-    if state in _SCHEMA_MISSING:
+    if state in _SCHEMA_MISSING and _SCHEMA_OBJECT.search(detail):
         return SchemaNotInstalledError(
             f"celery-fence schema is not installed or out of date ({detail}); "
             "run `celery-fence install`"
@@ -610,9 +617,9 @@ class LeaseStore:
         name = validation.check_name(name)
         params = {
             "name": name,
-            "epoch": epoch,
+            "epoch": validation.check_epoch(epoch),
             "holder": validation.check_holder(holder),
-            "mode": mode,
+            "mode": validation.check_choice(mode, "mode", get_args(Mode)),
             "proof": proof_bytes,
             "ttl": ttl_seconds,
             "action": self._action(action),
@@ -757,12 +764,12 @@ class LeaseStore:
         row = self._call(
             "record_stale_run",
             {
-                "name": name,
-                "epoch": epoch,
-                "holder": holder,
-                "reason": reason,
+                "name": validation.check_name(name),
+                "epoch": None if epoch is None else validation.check_epoch(epoch),
+                "holder": validation.check_holder(holder),
+                "reason": validation.check_choice(reason, "reason", _STALE_REASONS),
                 "action": self._action(action),
-                "environment": environment or self.default_environment,
+                "environment": self._environment(environment),
                 "enforced": enforced,
                 "now": self._now(),
             },
@@ -854,7 +861,9 @@ class LeaseStore:
         return _owner(rows[0]) if rows and rows[0]["name"] is not None else None
 
     def leases(self, environment: str | None = None) -> list[Owner]:
-        rows = self._rows("leases", {"environment": environment, "now": self._now()})
+        rows = self._rows(
+            "leases", {"environment": self._environment_filter(environment), "now": self._now()}
+        )
         return [owner for row in rows if (owner := _owner(row)) is not None]
 
     def stale_runs(
@@ -863,7 +872,11 @@ class LeaseStore:
         """Rejected stale runs, newest first."""
         rows = self._rows(
             "stale_runs",
-            {"environment": environment, "lease_name": lease_name, "limit": self._limit(limit)},
+            {
+                "environment": self._environment_filter(environment),
+                "lease_name": None if lease_name is None else validation.check_name(lease_name),
+                "limit": self._limit(limit),
+            },
         )
         return [StaleRun(**row) for row in rows]
 
@@ -884,6 +897,10 @@ class LeaseStore:
         return validation.check_environment(
             self.default_environment if environment is None else environment
         )
+
+    @staticmethod
+    def _environment_filter(environment: str | None) -> str | None:
+        return None if environment is None else validation.check_environment(environment)
 
     def _ttl(self, ttl: float) -> float:
         return validation.check_seconds(ttl, "ttl", maximum=self.max_ttl)

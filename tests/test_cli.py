@@ -354,6 +354,11 @@ def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: 
         ),
         (
             ("renew", "--lease-json", "-"),
+            json.dumps({"lease": {**IDENTITY, "epoch": 2**63}}),
+            "epoch must be an integer from 1 to 9223372036854775807",
+        ),
+        (
+            ("renew", "--lease-json", "-"),
             json.dumps({"lease": {**IDENTITY, "holder": 7}}),
             "holder",
         ),
@@ -367,6 +372,22 @@ def test_holder_identity_errors_are_caught_before_any_sql(
         stdin = acquire(database_url, "job", "a").stdout
     # The database is unreachable: the input is refused before anything connects.
     assert_error(cli(UNREACHABLE, *args, stdin=stdin), ExitCode.USAGE, message)
+
+
+@pytest.mark.parametrize(
+    "command", [("renew", "--ttl", "5"), ("release",)], ids=["renew", "release"]
+)
+@pytest.mark.parametrize("epoch", ["0", "9223372036854775808", "99999999999999999999"])
+def test_an_epoch_flag_beyond_bigint_is_bad_input_before_any_sql(
+    command: tuple[str, ...], epoch: str
+) -> None:
+    verb, *options = command
+    flags = ["job", "--epoch", epoch, "--token", TOKEN, "--holder", "a"]
+    # The database is unreachable: click refuses the option before anything connects.
+    result = cli(UNREACHABLE, verb, *flags, *options)
+    assert result.exit_code == ExitCode.USAGE, result.stderr
+    assert "Error: Invalid value for '--epoch'" in result.stderr
+    assert "1<=x<=9223372036854775807" in result.stderr
 
 
 # -- pause and resume -------------------------------------------------------------------------

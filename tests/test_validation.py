@@ -38,6 +38,14 @@ BAD_SECONDS = {
 }
 
 BAD_LIMITS = (0, -1, 10_001, True, 1.5)
+BAD_EPOCHS = {
+    "zero": 0,
+    "negative": -1,
+    "over bigint": 2**63,
+    "bool": True,
+    "float": 1.5,
+    "string": "abc",
+}
 
 
 def a_lease() -> Lease:
@@ -66,6 +74,27 @@ def history(limit: object) -> Callable[[LeaseStore], object]:
 
 def stale_runs(limit: object) -> Callable[[LeaseStore], object]:
     return lambda store: store.stale_runs(limit=limit)  # type: ignore[arg-type]
+
+
+def record_stale_run(**overrides: Any) -> Callable[[LeaseStore], object]:
+    arguments: dict[str, Any] = {
+        "name": "release:prod",
+        "epoch": 1,
+        "holder": "h",
+        "reason": "expired",
+        "action": "a",
+        "environment": "prod",
+    }
+    arguments.update(overrides)
+    return lambda store: store.record_stale_run(**arguments)
+
+
+def rejoin(**overrides: Any) -> Callable[[LeaseStore], object]:
+    arguments: dict[str, Any] = {
+        "epoch": 1, "holder": "h", "mode": "join", "proof": "00", "ttl": 10, "action": "a"
+    }  # fmt: skip
+    arguments.update(overrides)
+    return lambda store: store.rejoin("release:prod", **arguments)
 
 
 def guard(action: object) -> Callable[[LeaseStore], object]:
@@ -110,6 +139,24 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "record_stale_run action empty": lambda s: s.record_stale_run(
         "x", epoch=1, holder="h", reason="expired", action=""
     ),
+    **{
+        f"record_stale_run {field} {case}": record_stale_run(**{field: value})
+        for field, cases in {
+            "name": {"empty": ""},
+            "holder": {"empty": ""},
+            "environment": {"padded": " spaced ", "empty": ""},
+            "reason": {"unknown": "bogus", "not a string": 1},
+            "epoch": {"zero": 0, "over bigint": 2**63, "bool": True},
+        }.items()
+        for case, value in cases.items()
+    },
+    **{f"rejoin epoch {case}": rejoin(epoch=value) for case, value in BAD_EPOCHS.items()},
+    "rejoin mode unknown": rejoin(mode="take"),
+    "rejoin mode not a string": rejoin(mode=1),
+    "stale_runs environment not a string": lambda s: s.stale_runs(environment=5),  # type: ignore[arg-type]
+    "stale_runs environment padded": lambda s: s.stale_runs(environment=" prod"),
+    "stale_runs lease_name not a string": lambda s: s.stale_runs(lease_name=5),  # type: ignore[arg-type]
+    "leases environment not a string": lambda s: s.leases(environment=5),  # type: ignore[arg-type]
     "rejoin proof not hex": lambda s: s.rejoin(
         "x", epoch=1, holder="h", mode="join", proof="zz", ttl=10, action="a"
     ),
