@@ -62,7 +62,12 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
     """Return ``value`` as float seconds if finite and within ``(minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond any float (its repr may be too long to print)
+        raise ConfigurationError(
+            f"{what} must be at most {maximum:g} seconds, got an integer too large for a float"
+        ) from None
     if not math.isfinite(seconds):
         raise ConfigurationError(f"{what} must be finite, got {value!r}")
     if seconds <= minimum:

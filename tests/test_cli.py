@@ -357,6 +357,14 @@ def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: 
             json.dumps({"lease": {**IDENTITY, "epoch": 2**63}}),
             "epoch must be an integer from 1 to 9223372036854775807",
         ),
+        *(
+            (
+                (verb, "--lease-json", "-"),
+                json.dumps({"lease": {**IDENTITY, "ttl": 10**400}}),
+                "ttl",
+            )
+            for verb in ("renew", "release")
+        ),
         (
             ("renew", "--lease-json", "-"),
             json.dumps({"lease": {**IDENTITY, "holder": 7}}),
@@ -372,6 +380,14 @@ def test_holder_identity_errors_are_caught_before_any_sql(
         stdin = acquire(database_url, "job", "a").stdout
     # The database is unreachable: the input is refused before anything connects.
     assert_error(cli(UNREACHABLE, *args, stdin=stdin), ExitCode.USAGE, message)
+
+
+@pytest.mark.parametrize("verb", ["renew", "release"])
+def test_a_lease_json_file_that_is_not_text_is_bad_input(verb: str, tmp_path: Path) -> None:
+    saved = tmp_path / "lease.json"
+    saved.write_bytes(b"\xff\xfe{")
+    result = cli(UNREACHABLE, verb, "--lease-json", str(saved))
+    assert_error(result, ExitCode.USAGE, "--lease-json is not UTF-8 text")
 
 
 @pytest.mark.parametrize(

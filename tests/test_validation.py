@@ -35,6 +35,7 @@ BAD_SECONDS = {
     "bool": True,
     "string": "10",
     "over max_ttl": 3601,
+    "beyond a float": 10**400,
 }
 
 BAD_LIMITS = (0, -1, 10_001, True, 1.5)
@@ -115,6 +116,7 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "acquire max_hold below ttl": acquire(ttl=10, max_hold=5),
     "acquire max_hold nan": acquire(max_hold=math.nan),
     "acquire max_hold over 7 days": acquire(max_hold=7 * 86_400 + 1),
+    "acquire max_hold beyond a float": acquire(max_hold=10**400),
     **{
         f"acquire wait {k}": acquire(wait=v)
         for k, v in BAD_SECONDS.items()
@@ -223,6 +225,7 @@ BAD_STORES: dict[str, dict[str, Any]] = {
     "max_ttl zero": {"max_ttl": 0},
     "max_ttl over a day": {"max_ttl": 86_401},
     "max_ttl nan": {"max_ttl": math.nan},
+    "max_ttl beyond a float": {"max_ttl": 10**400},
     "lock_timeout zero": {"lock_timeout": 0},
     "lock_timeout over a minute": {"lock_timeout": 61},
     "safety_margin one": {"safety_margin": 1},
