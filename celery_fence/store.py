@@ -337,9 +337,11 @@ class LeaseStore:
         self.metrics = Metrics()
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be a positive integer, got {pool_size!r}")
-        if engine.dialect.driver != "psycopg":
+        # psycopg's async dialect names the same driver: its engine fails only at the first call.
+        if engine.dialect.driver != "psycopg" or engine.dialect.is_async:
             raise ConfigurationError(
-                f"celery-fence needs psycopg 3 (postgresql+psycopg://), got {engine.url.drivername}"
+                "celery-fence needs psycopg 3 without asyncio (postgresql+psycopg://), got "
+                f"{engine.url.drivername}"
             )
         self._connections = _Connections(engine, keep=pool_size, limit=2 * pool_size)
         weakref.finalize(self, self._connections.close)

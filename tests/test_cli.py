@@ -137,6 +137,7 @@ def test_unreachable_database_names_host_and_port_but_not_the_password() -> None
         ("sqlite:///fence.db", "needs PostgreSQL"),
         ("postgresql://postgres:s3cret@host:notaport/db", "not a valid database URL"),
         ("not a url s3cret", "not a valid database URL"),
+        ("postgresql+psycopg_async://postgres:s3cret@127.0.0.1/db", "without asyncio"),
     ],
 )
 def test_invalid_database_url(url: str, message: str) -> None:

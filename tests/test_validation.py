@@ -244,9 +244,15 @@ def test_impossible_store_settings_are_refused(settings: dict[str, Any]) -> None
 
 @pytest.mark.parametrize(
     "url",
-    ["not a url", "sqlite:///fence.db", "mysql://user@localhost/db", "postgresql+nodriver://x/y"],
+    [
+        "not a url",
+        "sqlite:///fence.db",
+        "mysql://user@localhost/db",
+        "postgresql+nodriver://x/y",
+        "postgresql+psycopg_async://user@localhost/db",
+    ],
 )
-def test_urls_that_are_not_postgresql_are_refused(url: str) -> None:
+def test_urls_that_are_not_postgresql_on_psycopg_3_without_asyncio_are_refused(url: str) -> None:
     with pytest.raises(ConfigurationError):
         LeaseStore.from_url(url)
 
