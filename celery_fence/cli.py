@@ -844,6 +844,8 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     Prints "canary: OK" and releases the winner's lease, or fails with exit 1.
     """
     store = settings.store()
+    # Checked as each racing client will check it, so that a bad TTL is refused before the seed.
+    validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
     seed = _seed(store, name)
     click.echo(
         f"canary: {seed.holder} holds {name} at epoch {seed.epoch} "

@@ -654,6 +654,16 @@ def test_canary_refuses_a_lease_held_by_another(database_url: str, store: LeaseS
     assert (owner.holder, owner.epoch, owner.state) == ("someone", 1, "held")
 
 
+@pytest.mark.parametrize("ttl", ["1e9", "nan", "inf"])
+def test_a_canary_ttl_the_clients_would_refuse_is_bad_input_before_the_seed(
+    database_url: str, store: LeaseStore, ttl: str
+) -> None:
+    result = cli(database_url, "canary", "--ttl", ttl)
+    assert_error(result, ExitCode.USAGE, "ttl must be")
+    assert result.stdout == ""
+    assert store.owner("canary") is None
+
+
 def _owner(holder: str, epoch: int) -> Owner:
     moment = datetime(2030, 1, 1, tzinfo=timezone.utc)
     return Owner(
