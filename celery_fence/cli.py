@@ -377,7 +377,11 @@ def holder_options(command: F) -> F:
     """NAME and the holder's identity, as flags or as the JSON an acquire or renew printed."""
     decorators = (
         click.argument("name", required=False),
-        click.option("--epoch", type=click.IntRange(min=1), help="The epoch acquire granted."),
+        click.option(
+            "--epoch",
+            type=click.IntRange(1, validation.MAX_EPOCH),
+            help="The epoch acquire granted.",
+        ),
         click.option("--token", help="The token acquire granted (a UUID)."),
         click.option("--holder", help="The holder that acquired."),
         click.option(
@@ -406,7 +410,9 @@ def _identity_from_json(data: object) -> dict[str, Any]:
 def _read_identity(stream: IO[str]) -> dict[str, Any]:
     try:
         data = json.load(stream)
-    except json.JSONDecodeError as exc:
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"--lease-json is not UTF-8 text: {exc}") from exc
+    except ValueError as exc:  # not JSON, or an integer too long to read
         raise BadInput(f"--lease-json is not JSON: {exc}") from exc
     return _identity_from_json(data)
 
@@ -417,28 +423,31 @@ def held_lease(
     """A :class:`Lease` for renew and release, rebuilt from its holder's identity.
 
     Those calls send only the name, epoch, token and holder (renew also the TTL): the times are
-    unknown here and stay placeholders, and the deadline counts from now.
+    unknown here and stay placeholders, and the deadline counts from now. A lease rebuilt without
+    a TTL (``None``: release never reads it) is not trusted for any time.
     """
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-        raise ConfigurationError(f"epoch must be a positive integer, got {epoch!r}")
+    checked_epoch = validation.check_epoch(epoch)
     try:
         parsed_token = UUID(str(token))
     except ValueError as exc:
         raise ConfigurationError("token must be a UUID") from exc
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise ConfigurationError(f"ttl must be a number of seconds, got {ttl!r}")
+    seconds = (
+        0.0
+        if ttl is None
+        else validation.check_seconds(ttl, "ttl", maximum=validation.MAX_TTL_SECONDS)
+    )
     return Lease(
         name=validation.check_name(name),
         environment=validation.check_environment(environment),
         holder=validation.check_holder(holder),
         purpose="",
-        epoch=epoch,
+        epoch=checked_epoch,
         token=parsed_token,
         acquired_at=_UNKNOWN_TIME,
         expires_at=_UNKNOWN_TIME,
         hold_until=_UNKNOWN_TIME,
-        ttl=float(ttl),
-        deadline=time.monotonic() + ttl,
+        ttl=seconds,
+        deadline=time.monotonic() + seconds,
     )
 
 
@@ -472,8 +481,6 @@ def _lease_from_options(
             raise BadInput(f"NAME {name!r} is not the lease in --lease-json ({identity['name']!r})")
         if ttl is not None:
             identity["ttl"] = ttl
-    # release never reads the TTL; a lease rebuilt without one is not trusted for any time.
-    identity["ttl"] = 0.0 if identity["ttl"] is None else identity["ttl"]
     return held_lease(**identity)
 
 
@@ -837,6 +844,8 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     Prints "canary: OK" and releases the winner's lease, or fails with exit 1.
     """
     store = settings.store()
+    # Checked as each racing client will check it, so that a bad TTL is refused before the seed.
+    validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
     seed = _seed(store, name)
     click.echo(
         f"canary: {seed.holder} holds {name} at epoch {seed.epoch} "

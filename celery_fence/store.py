@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -32,18 +33,26 @@ from celery_fence.observe import Metrics, log, stale_log
 
 Clock = Callable[[], datetime]
 Mode = Literal["join", "resume"]
+#: The reasons a stale run is recorded for (the CHECK of ``celery_fence.stale_runs.reason``).
+_STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "missing", "malformed")
 
 # Where _cursor() keeps its cursor in a pooled connection's info.
 _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
+# The savepoint a shadow-mode check runs in, inside the caller's transaction.
+_SHADOW_SAVEPOINT = "celery_fence_shadow_check"
 # What celery_fence.release() notifies, with the lease's name as payload.
 _RELEASED_CHANNEL = "celery_fence_released"
 #: A waiting acquisition looks again at least this often (seconds), notified or not: a lease
 #: that runs out, rather than being released, sends no notification.
 RECHECK_INTERVAL = 1.0
+# Missing objects: the schema's when the message names one of its objects (``celery_fence.x``,
+# schema "celery_fence"), else a plain database error (an operator or type the caller's own
+# arguments asked for, say).
 _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
+_SCHEMA_OBJECT = re.compile(r'(?<![\w"])"?celery_fence"?\.|schema "celery_fence"')
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
     "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
@@ -98,7 +107,7 @@ def _sqlstate(exc: BaseException) -> str | None:
 def _wrap(exc: BaseException) -> FenceDatabaseError | ConfigurationError:
     state = _sqlstate(exc)
     detail = (str(_driver_error(exc)).strip().splitlines() or [type(exc).__name__])[0]
-    if state in _SCHEMA_MISSING:
+    if state in _SCHEMA_MISSING and _SCHEMA_OBJECT.search(detail):
         return SchemaNotInstalledError(
             f"celery-fence schema is not installed or out of date ({detail}); "
             "run `celery-fence install`"
@@ -328,9 +337,11 @@ class LeaseStore:
         self.metrics = Metrics()
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be a positive integer, got {pool_size!r}")
-        if engine.dialect.driver != "psycopg":
+        # psycopg's async dialect names the same driver: its engine fails only at the first call.
+        if engine.dialect.driver != "psycopg" or engine.dialect.is_async:
             raise ConfigurationError(
-                f"celery-fence needs psycopg 3 (postgresql+psycopg://), got {engine.url.drivername}"
+                "celery-fence needs psycopg 3 without asyncio (postgresql+psycopg://), got "
+                f"{engine.url.drivername}"
             )
         self._connections = _Connections(engine, keep=pool_size, limit=2 * pool_size)
         weakref.finalize(self, self._connections.close)
@@ -608,9 +619,9 @@ class LeaseStore:
         name = validation.check_name(name)
         params = {
             "name": name,
-            "epoch": epoch,
+            "epoch": validation.check_epoch(epoch),
             "holder": validation.check_holder(holder),
-            "mode": mode,
+            "mode": validation.check_choice(mode, "mode", get_args(Mode)),
             "proof": proof_bytes,
             "ttl": ttl_seconds,
             "action": self._action(action),
@@ -643,7 +654,9 @@ class LeaseStore:
         recorded on the store's own connection, so the record survives that rollback.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
-        blocked.
+        blocked, and a stale write is recorded once (the database's reason, else ``expired``
+        for a lease past its deadline); the check runs in a savepoint, so that one failing under
+        REPEATABLE READ or SERIALIZABLE leaves the caller's transaction to commit.
         """
         action = self._action(action)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
@@ -653,16 +666,16 @@ class LeaseStore:
                 "guard needs a connection in a transaction, not in autocommit: each write would "
                 "commit before the fence check"
             )
-        if not lease.trusted:
-            self._record_rejection(lease, "expired", action, enforce)
-            if enforce:
-                raise StaleEpochError(
-                    f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
-                    lease_name=lease.name,
-                    epoch=lease.epoch,
-                    owner=self.owner(lease.name),
-                    reason="expired",
-                )
+        trusted = lease.trusted
+        if not trusted and enforce:
+            self._record_rejection(lease, "expired", action, True)
+            raise StaleEpochError(
+                f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
+                lease_name=lease.name,
+                epoch=lease.epoch,
+                owner=self.owner(lease.name),
+                reason="expired",
+            )
         yield lease
         params = {
             "name": lease.name,
@@ -671,12 +684,11 @@ class LeaseStore:
             "now": self._now(),
         }
         if not enforce:
-            try:
-                (row,) = self._run(cursor, "check_fence", params)
-            except self._driver_errors as exc:
-                raise _wrap(exc) from exc
-            if row["reason"] is not None:
-                self._record_rejection(lease, row["reason"], action, False)
+            # One record for one write: the database's reason when it finds the lease stale
+            # (superseded rather than expired, say), else the holder's own deadline's.
+            reason = self._shadow_check(cursor, params) or (None if trusted else "expired")
+            if reason is not None:
+                self._record_rejection(lease, reason, action, False)
             return
         try:
             self._run(cursor, "fence", params)
@@ -701,6 +713,27 @@ class LeaseStore:
                 reason=reason,
             ) from exc
         self.metrics.incr("guard.committed")
+
+    def _shadow_check(self, cursor: Any, params: Mapping[str, Any]) -> str | None:
+        """Why a shadow-mode write's lease is stale, or ``None`` while it holds. The check runs
+        in a savepoint of the caller's transaction: a check that fails there is rolled back to
+        the savepoint, so that the transaction goes on and commits, as shadow mode promises."""
+        try:
+            cursor.execute(f"SAVEPOINT {_SHADOW_SAVEPOINT}")
+            try:
+                (row,) = self._run(cursor, "check_fence", params)
+                reason: str | None = row["reason"]
+            except self._driver_errors as exc:
+                # Under REPEATABLE READ or SERIALIZABLE, a lease row changed after the snapshot
+                # cannot be locked: the row stays unlocked, and the lease is judged afresh.
+                if _sqlstate(exc) != _SERIALIZATION_FAILURE:
+                    raise
+                cursor.execute(f"ROLLBACK TO SAVEPOINT {_SHADOW_SAVEPOINT}")
+                reason = self._fence_failure(exc, params)
+            cursor.execute(f"RELEASE SAVEPOINT {_SHADOW_SAVEPOINT}")
+        except self._driver_errors as exc:
+            raise _wrap(exc) from exc
+        return reason
 
     def _fence_failure(self, exc: BaseException, params: Mapping[str, Any]) -> str | None:
         """Why a fence check failed because its lease is stale, or ``None`` when it failed for
@@ -733,12 +766,12 @@ class LeaseStore:
         row = self._call(
             "record_stale_run",
             {
-                "name": name,
-                "epoch": epoch,
-                "holder": holder,
-                "reason": reason,
+                "name": validation.check_name(name),
+                "epoch": None if epoch is None else validation.check_epoch(epoch),
+                "holder": validation.check_holder(holder),
+                "reason": validation.check_choice(reason, "reason", _STALE_REASONS),
                 "action": self._action(action),
-                "environment": environment or self.default_environment,
+                "environment": self._environment(environment),
                 "enforced": enforced,
                 "now": self._now(),
             },
@@ -830,7 +863,9 @@ class LeaseStore:
         return _owner(rows[0]) if rows and rows[0]["name"] is not None else None
 
     def leases(self, environment: str | None = None) -> list[Owner]:
-        rows = self._rows("leases", {"environment": environment, "now": self._now()})
+        rows = self._rows(
+            "leases", {"environment": self._environment_filter(environment), "now": self._now()}
+        )
         return [owner for row in rows if (owner := _owner(row)) is not None]
 
     def stale_runs(
@@ -839,7 +874,11 @@ class LeaseStore:
         """Rejected stale runs, newest first."""
         rows = self._rows(
             "stale_runs",
-            {"environment": environment, "lease_name": lease_name, "limit": self._limit(limit)},
+            {
+                "environment": self._environment_filter(environment),
+                "lease_name": None if lease_name is None else validation.check_name(lease_name),
+                "limit": self._limit(limit),
+            },
         )
         return [StaleRun(**row) for row in rows]
 
@@ -860,6 +899,10 @@ class LeaseStore:
         return validation.check_environment(
             self.default_environment if environment is None else environment
         )
+
+    @staticmethod
+    def _environment_filter(environment: str | None) -> str | None:
+        return None if environment is None else validation.check_environment(environment)
 
     def _ttl(self, ttl: float) -> float:
         return validation.check_seconds(ttl, "ttl", maximum=self.max_ttl)

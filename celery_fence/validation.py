@@ -11,6 +11,8 @@ MAX_ENVIRONMENT_LENGTH = 64
 MAX_TEXT_LENGTH = 500
 MAX_TTL_SECONDS = 86_400.0
 MAX_HOLD_SECONDS = 7 * 86_400.0
+#: The largest epoch: epochs are PostgreSQL ``bigint``s.
+MAX_EPOCH = 2**63 - 1
 
 
 def check_text(value: object, what: str, *, max_length: int, allow_empty: bool = False) -> str:
@@ -42,11 +44,30 @@ def check_environment(value: object) -> str:
     return check_text(value, "environment", max_length=MAX_ENVIRONMENT_LENGTH)
 
 
+def check_epoch(value: object, what: str = "epoch") -> int:
+    """Return ``value`` if it is an integer epoch, from 1 to :data:`MAX_EPOCH`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_EPOCH:
+        raise ConfigurationError(f"{what} must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
+    return value
+
+
+def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
+    """Return ``value`` if it is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigurationError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 0.0) -> float:
     """Return ``value`` as float seconds if finite and within ``(minimum, maximum]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond any float (its repr may be too long to print)
+        raise ConfigurationError(
+            f"{what} must be at most {maximum:g} seconds, got an integer too large for a float"
+        ) from None
     if not math.isfinite(seconds):
         raise ConfigurationError(f"{what} must be finite, got {value!r}")
     if seconds <= minimum:

@@ -137,6 +137,7 @@ def test_unreachable_database_names_host_and_port_but_not_the_password() -> None
         ("sqlite:///fence.db", "needs PostgreSQL"),
         ("postgresql://postgres:s3cret@host:notaport/db", "not a valid database URL"),
         ("not a url s3cret", "not a valid database URL"),
+        ("postgresql+psycopg_async://postgres:s3cret@127.0.0.1/db", "without asyncio"),
     ],
 )
 def test_invalid_database_url(url: str, message: str) -> None:
@@ -354,6 +355,19 @@ def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: 
         ),
         (
             ("renew", "--lease-json", "-"),
+            json.dumps({"lease": {**IDENTITY, "epoch": 2**63}}),
+            "epoch must be an integer from 1 to 9223372036854775807",
+        ),
+        *(
+            (
+                (verb, "--lease-json", "-"),
+                json.dumps({"lease": {**IDENTITY, "ttl": 10**400}}),
+                "ttl",
+            )
+            for verb in ("renew", "release")
+        ),
+        (
+            ("renew", "--lease-json", "-"),
             json.dumps({"lease": {**IDENTITY, "holder": 7}}),
             "holder",
         ),
@@ -367,6 +381,30 @@ def test_holder_identity_errors_are_caught_before_any_sql(
         stdin = acquire(database_url, "job", "a").stdout
     # The database is unreachable: the input is refused before anything connects.
     assert_error(cli(UNREACHABLE, *args, stdin=stdin), ExitCode.USAGE, message)
+
+
+@pytest.mark.parametrize("verb", ["renew", "release"])
+def test_a_lease_json_file_that_is_not_text_is_bad_input(verb: str, tmp_path: Path) -> None:
+    saved = tmp_path / "lease.json"
+    saved.write_bytes(b"\xff\xfe{")
+    result = cli(UNREACHABLE, verb, "--lease-json", str(saved))
+    assert_error(result, ExitCode.USAGE, "--lease-json is not UTF-8 text")
+
+
+@pytest.mark.parametrize(
+    "command", [("renew", "--ttl", "5"), ("release",)], ids=["renew", "release"]
+)
+@pytest.mark.parametrize("epoch", ["0", "9223372036854775808", "99999999999999999999"])
+def test_an_epoch_flag_beyond_bigint_is_bad_input_before_any_sql(
+    command: tuple[str, ...], epoch: str
+) -> None:
+    verb, *options = command
+    flags = ["job", "--epoch", epoch, "--token", TOKEN, "--holder", "a"]
+    # The database is unreachable: click refuses the option before anything connects.
+    result = cli(UNREACHABLE, verb, *flags, *options)
+    assert result.exit_code == ExitCode.USAGE, result.stderr
+    assert "Error: Invalid value for '--epoch'" in result.stderr
+    assert "1<=x<=9223372036854775807" in result.stderr
 
 
 # -- pause and resume -------------------------------------------------------------------------
@@ -614,6 +652,16 @@ def test_canary_refuses_a_lease_held_by_another(database_url: str, store: LeaseS
     owner = store.owner("canary")
     assert owner is not None
     assert (owner.holder, owner.epoch, owner.state) == ("someone", 1, "held")
+
+
+@pytest.mark.parametrize("ttl", ["1e9", "nan", "inf"])
+def test_a_canary_ttl_the_clients_would_refuse_is_bad_input_before_the_seed(
+    database_url: str, store: LeaseStore, ttl: str
+) -> None:
+    result = cli(database_url, "canary", "--ttl", ttl)
+    assert_error(result, ExitCode.USAGE, "ttl must be")
+    assert result.stdout == ""
+    assert store.owner("canary") is None
 
 
 def _owner(holder: str, epoch: int) -> Owner:

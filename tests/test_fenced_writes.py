@@ -240,6 +240,28 @@ def test_a_lease_past_its_local_deadline_is_rejected_before_the_body(
     )
 
 
+@pytest.mark.parametrize("reason", ["expired", "superseded"])
+def test_shadow_mode_records_a_write_past_its_deadline_once_with_the_database_reason(
+    fake_store: LeaseStore, protected: Engine, reason: str
+) -> None:
+    with freeze_time("2030-01-01T00:00:00+00:00") as frozen:
+        lease = acquire(fake_store, "release-41", ttl=10)
+        frozen.tick(11)  # past the holder's deadline and, by the database clock, expired
+        if reason == "superseded":
+            acquire(fake_store, "release-42")
+        with (
+            protected.begin() as conn,
+            fake_store.guard(lease, conn, action="publish", enforce=False),
+        ):
+            conn.execute(UPDATE, {"value": "shadow"})
+    assert protected_value(protected) == "shadow"
+    assert [(r.reason, r.action, r.enforced) for r in fake_store.stale_runs()] == [
+        (reason, "publish", False)
+    ]
+    rejected = {k: n for k, n in fake_store.metrics.snapshot().items() if k.startswith("rejected")}
+    assert rejected == {f"rejected.{reason}": 1}
+
+
 # -- pitfall 2: a fenced write that waits on a row lock while its lease passes on ---------------
 
 
@@ -423,11 +445,16 @@ SNAPSHOTS = ["REPEATABLE READ", "SERIALIZABLE"]
 
 
 def write_meanwhile(
-    store: LeaseStore, lease: Lease, conn: sa.Connection, meanwhile: Callable[[], object]
+    store: LeaseStore,
+    lease: Lease,
+    conn: sa.Connection,
+    meanwhile: Callable[[], object],
+    *,
+    enforce: bool = True,
 ) -> None:
     """A guarded write in a transaction of its own on ``conn``: the write takes the snapshot,
     then ``meanwhile`` happens elsewhere, then the fence check runs."""
-    with conn.begin(), store.guard(lease, conn, action="write H"):
+    with conn.begin(), store.guard(lease, conn, action="write H", enforce=enforce):
         conn.execute(UPDATE, {"value": "H"})
         meanwhile()
 
@@ -466,6 +493,34 @@ def test_a_renewal_after_the_snapshot_asks_for_a_retry_not_a_rejection(
         write_meanwhile(store, leases[-1], conn, lambda: None)
     assert committed_values(protected) == ["initial", "H"]
     assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("isolation", SNAPSHOTS)
+@pytest.mark.parametrize("change", ["renewed", "superseded"])
+def test_shadow_mode_under_snapshot_isolation_commits_and_records_once(
+    store: LeaseStore, protected: Engine, expire_lease: Expire, isolation: str, change: str
+) -> None:
+    """The lease row changed after the snapshot, so the shadow check cannot lock it: the write
+    still commits, and a successor's epoch is recorded once, as shadow mode promises."""
+    lease = acquire(store, "H")
+
+    def meanwhile() -> None:
+        if change == "renewed":
+            store.renew(lease)
+        else:
+            expire_lease(NAME)
+            assert store.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+    with protected.connect() as conn:
+        conn.execution_options(isolation_level=isolation)
+        write_meanwhile(store, lease, conn, meanwhile, enforce=False)
+        # The transaction was left usable: the next one on the connection commits too.
+        with conn.begin():
+            conn.execute(sa.text("INSERT INTO protected VALUES (2, 'after')"))
+    assert committed_values(protected) == ["initial", "H", "after"]
+    runs = [(r.stale_holder, r.reason, r.enforced) for r in store.stale_runs()]
+    assert runs == ([] if change == "renewed" else [("H", "superseded", False)])
+    assert store.metrics.get("rejected.superseded") == (0 if change == "renewed" else 1)
 
 
 def test_a_rejection_caught_inside_the_transaction_still_rolls_it_back(

@@ -21,7 +21,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
-from celery_fence import Lease, LeaseStore, SchemaNotInstalledError, _sql
+from celery_fence import FenceDatabaseError, Lease, LeaseStore, SchemaNotInstalledError, _sql
+from celery_fence.store import _wrap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -373,6 +374,32 @@ def test_a_missing_schema_says_to_install(empty_database_url: str, call: str) ->
     cause = caught.value.__cause__
     assert isinstance(cause, (sa.exc.DBAPIError, store.engine.dialect.loaded_dbapi.Error))
     assert "celery_fence" in str(cause)
+
+
+# What PostgreSQL says of a missing object: the schema's own (celery-fence install is the cure)
+# or another one, which installing would not bring.
+MISSING_OBJECTS = {
+    "a celery_fence function": ("SELECT celery_fence.no_such_function()", True),
+    "a celery_fence type": ("SELECT NULL::celery_fence.no_such_type", True),
+    "a celery_fence table": ("SELECT * FROM celery_fence.no_such_table", True),
+    "an operator": ("SELECT 'a'::text = 1::smallint", False),
+    "a function of no schema": ("SELECT no_such_function()", False),
+    "a type of no schema": ("SELECT NULL::celery_fence_no_such_type", False),
+    "a table of no schema": ("SELECT * FROM no_such_table", False),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING_OBJECTS))
+def test_only_a_missing_celery_fence_object_says_to_install(engine: Engine, case: str) -> None:
+    statement, of_the_schema = MISSING_OBJECTS[case]
+    with engine.connect() as conn, pytest.raises(sa.exc.DBAPIError) as caught:
+        conn.exec_driver_sql(statement)
+    assert caught.value.orig is not None
+    assert caught.value.orig.sqlstate in {"42883", "42704", "42P01"}
+    error = _wrap(caught.value)
+    assert isinstance(error, FenceDatabaseError)
+    assert isinstance(error, SchemaNotInstalledError) is of_the_schema
+    assert ("celery-fence install" in str(error)) is of_the_schema
 
 
 def test_a_missing_schema_says_to_install_inside_a_guard(

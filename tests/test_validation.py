@@ -35,9 +35,18 @@ BAD_SECONDS = {
     "bool": True,
     "string": "10",
     "over max_ttl": 3601,
+    "beyond a float": 10**400,
 }
 
 BAD_LIMITS = (0, -1, 10_001, True, 1.5)
+BAD_EPOCHS = {
+    "zero": 0,
+    "negative": -1,
+    "over bigint": 2**63,
+    "bool": True,
+    "float": 1.5,
+    "string": "abc",
+}
 
 
 def a_lease() -> Lease:
@@ -68,6 +77,27 @@ def stale_runs(limit: object) -> Callable[[LeaseStore], object]:
     return lambda store: store.stale_runs(limit=limit)  # type: ignore[arg-type]
 
 
+def record_stale_run(**overrides: Any) -> Callable[[LeaseStore], object]:
+    arguments: dict[str, Any] = {
+        "name": "release:prod",
+        "epoch": 1,
+        "holder": "h",
+        "reason": "expired",
+        "action": "a",
+        "environment": "prod",
+    }
+    arguments.update(overrides)
+    return lambda store: store.record_stale_run(**arguments)
+
+
+def rejoin(**overrides: Any) -> Callable[[LeaseStore], object]:
+    arguments: dict[str, Any] = {
+        "epoch": 1, "holder": "h", "mode": "join", "proof": "00", "ttl": 10, "action": "a"
+    }  # fmt: skip
+    arguments.update(overrides)
+    return lambda store: store.rejoin("release:prod", **arguments)
+
+
 def guard(action: object) -> Callable[[LeaseStore], object]:
     def call(store: LeaseStore) -> None:
         with store.engine.connect() as conn, store.guard(a_lease(), conn, action=action):  # type: ignore[arg-type]
@@ -86,6 +116,7 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "acquire max_hold below ttl": acquire(ttl=10, max_hold=5),
     "acquire max_hold nan": acquire(max_hold=math.nan),
     "acquire max_hold over 7 days": acquire(max_hold=7 * 86_400 + 1),
+    "acquire max_hold beyond a float": acquire(max_hold=10**400),
     **{
         f"acquire wait {k}": acquire(wait=v)
         for k, v in BAD_SECONDS.items()
@@ -110,6 +141,24 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "record_stale_run action empty": lambda s: s.record_stale_run(
         "x", epoch=1, holder="h", reason="expired", action=""
     ),
+    **{
+        f"record_stale_run {field} {case}": record_stale_run(**{field: value})
+        for field, cases in {
+            "name": {"empty": ""},
+            "holder": {"empty": ""},
+            "environment": {"padded": " spaced ", "empty": ""},
+            "reason": {"unknown": "bogus", "not a string": 1},
+            "epoch": {"zero": 0, "over bigint": 2**63, "bool": True},
+        }.items()
+        for case, value in cases.items()
+    },
+    **{f"rejoin epoch {case}": rejoin(epoch=value) for case, value in BAD_EPOCHS.items()},
+    "rejoin mode unknown": rejoin(mode="take"),
+    "rejoin mode not a string": rejoin(mode=1),
+    "stale_runs environment not a string": lambda s: s.stale_runs(environment=5),  # type: ignore[arg-type]
+    "stale_runs environment padded": lambda s: s.stale_runs(environment=" prod"),
+    "stale_runs lease_name not a string": lambda s: s.stale_runs(lease_name=5),  # type: ignore[arg-type]
+    "leases environment not a string": lambda s: s.leases(environment=5),  # type: ignore[arg-type]
     "rejoin proof not hex": lambda s: s.rejoin(
         "x", epoch=1, holder="h", mode="join", proof="zz", ttl=10, action="a"
     ),
@@ -176,6 +225,7 @@ BAD_STORES: dict[str, dict[str, Any]] = {
     "max_ttl zero": {"max_ttl": 0},
     "max_ttl over a day": {"max_ttl": 86_401},
     "max_ttl nan": {"max_ttl": math.nan},
+    "max_ttl beyond a float": {"max_ttl": 10**400},
     "lock_timeout zero": {"lock_timeout": 0},
     "lock_timeout over a minute": {"lock_timeout": 61},
     "safety_margin one": {"safety_margin": 1},
@@ -194,9 +244,15 @@ def test_impossible_store_settings_are_refused(settings: dict[str, Any]) -> None
 
 @pytest.mark.parametrize(
     "url",
-    ["not a url", "sqlite:///fence.db", "mysql://user@localhost/db", "postgresql+nodriver://x/y"],
+    [
+        "not a url",
+        "sqlite:///fence.db",
+        "mysql://user@localhost/db",
+        "postgresql+nodriver://x/y",
+        "postgresql+psycopg_async://user@localhost/db",
+    ],
 )
-def test_urls_that_are_not_postgresql_are_refused(url: str) -> None:
+def test_urls_that_are_not_postgresql_on_psycopg_3_without_asyncio_are_refused(url: str) -> None:
     with pytest.raises(ConfigurationError):
         LeaseStore.from_url(url)
 
