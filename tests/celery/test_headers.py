@@ -366,6 +366,8 @@ MALFORMED: dict[str, Callable[[Lease], object]] = {
     "missing proof": lambda lease: malformed(lease, proof=None),
     "missing epoch": lambda lease: malformed(lease, epoch=None),
     "epoch not an integer": lambda lease: malformed(lease, epoch=str(lease.epoch)),
+    "epoch beyond bigint": lambda lease: malformed(lease, epoch=2**63),
+    "holder not a holder": lambda lease: malformed(lease, holder=f" {lease.holder} "),
     "unknown mode": lambda lease: malformed(lease, mode="steal"),
     "proof not hex": lambda lease: malformed(lease, proof="z" * 64),
     "not a mapping": lambda lease: f"{lease.name}@{lease.epoch}",
@@ -386,7 +388,8 @@ def test_malformed_header_is_rejected_and_recorded(
     [stale] = store.stale_runs()
     readable = case != "not a mapping"
     assert stale.lease_name == (NAME if readable else "(unreadable)")
-    assert stale.stale_holder == (HOLDER if readable else "(unreadable)")
+    holder_readable = readable and case != "holder not a holder"
+    assert stale.stale_holder == (HOLDER if holder_readable else "(unreadable)")
     assert (stale.reason, stale.stale_epoch, stale.enforced) == ("malformed", None, True)
     assert_still_held(store, lease.epoch)
 

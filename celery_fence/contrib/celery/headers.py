@@ -8,7 +8,7 @@ proof in the database (``celery_fence.rejoin``).
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,14 +66,12 @@ class FenceHeader:
                 lease_name=None,
                 holder=None,
             )
-        lease = value.get("lease")
-        holder = value.get("holder")
-        readable_lease = lease if isinstance(lease, str) and lease.isprintable() else None
-        readable_holder = holder if isinstance(holder, str) and holder.isprintable() else None
+        # What can be read is recorded with the rejection; anything a lease name or holder may
+        # not be is recorded as unreadable.
+        lease = _readable(validation.check_name, value.get("lease"))
+        holder = _readable(validation.check_holder, value.get("holder"))
         try:
-            epoch = value.get("epoch")
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
-                raise ConfigurationError(f"epoch must be a positive integer, got {epoch!r}")
+            epoch = validation.check_epoch(value.get("epoch"))
             mode = value.get("mode")
             if mode not in ("join", "resume"):
                 raise ConfigurationError(f"mode must be join or resume, got {mode!r}")
@@ -81,15 +79,23 @@ class FenceHeader:
             if not isinstance(digest, str) or not _PROOF.match(digest):
                 raise ConfigurationError("proof must be 64 lowercase hex digits")
             return cls(
-                lease=validation.check_name(lease),
+                lease=validation.check_name(value.get("lease")),
                 epoch=epoch,
-                holder=validation.check_holder(holder),
+                holder=validation.check_holder(value.get("holder")),
                 mode=mode,
                 proof=digest,
             )
         except ConfigurationError as exc:
             raise MalformedHeaderError(
                 f"malformed {HEADER} header: {exc}",
-                lease_name=readable_lease,
-                holder=readable_holder,
+                lease_name=lease,
+                holder=holder,
             ) from exc
+
+
+def _readable(check: Callable[[object], str], value: object) -> str | None:
+    """``value`` if ``check`` accepts it, else None."""
+    try:
+        return check(value)
+    except ConfigurationError:
+        return None
