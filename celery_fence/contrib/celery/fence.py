@@ -383,7 +383,8 @@ class Fence:
             # its end and released the lease did the work, which must not run twice.
             owner = self.store.owner(name)
             if owner is not None and owner.state == "released" and task.earlier_delivery(owner):
-                task.refuse(name, Acquisition(outcome="held", lease=None, owner=owner))
+                done = Acquisition(outcome="held", lease=None, owner=owner)
+                return self._refused(task, name, done, enforced, "owner")
         try:
             got = self.store.acquire(
                 name,
@@ -578,9 +579,11 @@ class FencedTask(Task):  # type: ignore[misc]
         if not isinstance(value, Mapping):
             return None
         try:
-            return int(value["epoch"]), datetime.fromisoformat(value["expires_at"])
+            epoch, expires_at = int(value["epoch"]), datetime.fromisoformat(value["expires_at"])
         except (TypeError, KeyError, ValueError):
             return None
+        # Compared with the database's aware times: a time without its zone is unreadable.
+        return None if expires_at.tzinfo is None else (epoch, expires_at)
 
     def _waits_for_an_earlier_delivery(self, got: Acquisition) -> bool:
         """Whether a refused delivery is to wait for its lease to expire, whatever its busy
@@ -647,10 +650,18 @@ class FencedTask(Task):  # type: ignore[misc]
         message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
         if owner is not None and owner.paused:
             message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
-        if owner is not None and owner.state == "released":
-            # Only a delivery that waited for an earlier one is refused a released lease: that
+        if (
+            owner is not None
+            and owner.state == "released"
+            and self.waited_for() is not None
+            and self.earlier_delivery(owner)
+        ):
+            # A delivery that waited for an earlier one finds that it ran to its end: that
             # delivery did the work, so there is nothing to retry for.
-            message += "; an earlier delivery of this task ran and released it"
+            message = (
+                f"{self.name}: lease {name} was released by an earlier delivery of this task, "
+                f"{who}, which ran to its end"
+            )
             policy = "skip" if policy == "retry" else policy
         options: dict[str, Any] = {}
         if self._waits_for_an_earlier_delivery(got):
