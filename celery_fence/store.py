@@ -716,8 +716,10 @@ class LeaseStore:
 
     def _shadow_check(self, cursor: Any, params: Mapping[str, Any]) -> str | None:
         """Why a shadow-mode write's lease is stale, or ``None`` while it holds. The check runs
-        in a savepoint of the caller's transaction: a check that fails there is rolled back to
-        the savepoint, so that the transaction goes on and commits, as shadow mode promises."""
+        in a savepoint of the caller's transaction: a check that cannot lock the lease row under
+        REPEATABLE READ or SERIALIZABLE is rolled back to the savepoint, so that the transaction
+        goes on and commits, as shadow mode promises. Any other database error (a timeout, a
+        lost connection) is raised, as it would be for the caller's own statements."""
         try:
             cursor.execute(f"SAVEPOINT {_SHADOW_SAVEPOINT}")
             try:
@@ -1008,13 +1010,20 @@ class LeaseStore:
         )
 
     def _record_rejection(self, lease: Lease, reason: str, action: str, enforced: bool) -> None:
+        # The database records the lease row's own environment; the lease's is only a fallback,
+        # and one written by a SQL client that this library would refuse must not stop the
+        # record.
+        try:
+            environment: str | None = validation.check_environment(lease.environment)
+        except ConfigurationError:
+            environment = None
         self.record_stale_run(
             lease.name,
             epoch=lease.epoch,
             holder=lease.holder,
             reason=reason,
             action=action,
-            environment=lease.environment,
+            environment=environment,
             enforced=enforced,
         )
 

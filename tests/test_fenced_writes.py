@@ -7,6 +7,7 @@ a successor must never commit after the successor's epoch exists.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -316,6 +317,24 @@ def third_party_lock(engine: Engine) -> Iterator[None]:
     with engine.begin() as conn:
         conn.exec_driver_sql("SELECT 1 FROM protected WHERE id = 1 FOR UPDATE")
         yield
+
+
+def test_a_rejection_is_recorded_also_for_a_lease_whose_environment_the_library_refuses(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """A lease read from a row a SQL client wrote may carry an environment the library would not
+    accept (empty here): its rejection is still raised and recorded, under the row's own."""
+    lease = dataclasses.replace(acquire(store, "H"), environment="", deadline=0.0)
+    with (
+        protected.begin() as conn,
+        pytest.raises(StaleEpochError) as caught,
+        store.guard(lease, conn, action="write H"),
+    ):
+        conn.execute(UPDATE, {"value": "H"})
+    assert caught.value.reason == "expired"
+    assert protected_value(protected) == "initial"
+    [run] = store.stale_runs()
+    assert (run.environment, run.reason, run.stale_holder) == (ENVIRONMENT, "expired", "H")
 
 
 def test_a_write_waiting_on_a_row_lock_never_commits_after_the_successor_epoch(
