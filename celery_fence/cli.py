@@ -386,7 +386,7 @@ def holder_options(command: F) -> F:
         click.option("--holder", help="The holder that acquired."),
         click.option(
             "--lease-json",
-            type=click.File("r"),
+            type=click.File("r", encoding="utf-8"),
             help="Read the lease from an acquire or renew answer in FILENAME ('-': stdin).",
         ),
     )

@@ -54,7 +54,7 @@ def check_epoch(value: object, what: str = "epoch") -> int:
 def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``."""
     if not isinstance(value, str) or value not in choices:
-        raise ConfigurationError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+        raise ConfigurationError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
     return value
 
 
@@ -66,7 +66,8 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
         seconds = float(value)
     except OverflowError:  # an int beyond any float (its repr may be too long to print)
         raise ConfigurationError(
-            f"{what} must be at most {maximum:g} seconds, got an integer too large for a float"
+            f"{what} must be from {minimum:g} to {maximum:g} seconds, got an integer beyond any "
+            "float"
         ) from None
     if not math.isfinite(seconds):
         raise ConfigurationError(f"{what} must be finite, got {value!r}")

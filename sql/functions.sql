@@ -198,7 +198,7 @@ BEGIN
                 sharers = 1
             WHERE l.name = p_name
             RETURNING l.* INTO v_new;
-            IF v_new.name IS NOT NULL AND v_row.released_at IS NULL THEN
+            IF v_row.released_at IS NULL THEN
                 -- The epoch taken over ended by expiry (a release records its own end).
                 INSERT INTO celery_fence.lease_history (
                     name, epoch, environment, holder, purpose, acquired_at, ended_at, end_reason

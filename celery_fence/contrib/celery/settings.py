@@ -40,12 +40,6 @@ DEFAULTS: dict[str, Any] = {
 DEFAULT_MAX_HOLD = 86_400.0
 
 
-def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ConfigurationError(f"{what} must be one of {', '.join(choices)}; got {value!r}")
-    return value
-
-
 def check_timing(
     ttl: float, renew_interval: float | None, safety_margin: float, what: str
 ) -> float:
@@ -143,16 +137,18 @@ class FenceSettings:
             )
         enforcement_conf = get("fence_enforcement")
         if isinstance(enforcement_conf, str):
-            default = check_choice(enforcement_conf, "fence_enforcement", ENFORCEMENT_MODES)
+            default = validation.check_choice(
+                enforcement_conf, "fence_enforcement", ENFORCEMENT_MODES
+            )
             per_environment: dict[str, Enforcement] = {}
         elif isinstance(enforcement_conf, Mapping):
-            default = check_choice(
+            default = validation.check_choice(
                 enforcement_conf.get("*", "enforce"), "fence_enforcement['*']", ENFORCEMENT_MODES
             )
             per_environment = {
                 validation.check_environment(env): cast(
                     Enforcement,
-                    check_choice(mode, f"fence_enforcement[{env!r}]", ENFORCEMENT_MODES),
+                    validation.check_choice(mode, f"fence_enforcement[{env!r}]", ENFORCEMENT_MODES),
                 )
                 for env, mode in enforcement_conf.items()
                 if env != "*"
@@ -179,7 +175,9 @@ class FenceSettings:
                 get("fence_lock_timeout"), "fence_lock_timeout", maximum=60
             ),
             safety_margin=safety_margin,
-            on_busy=cast(OnBusy, check_choice(get("fence_on_busy"), "fence_on_busy", ON_BUSY)),
+            on_busy=cast(
+                OnBusy, validation.check_choice(get("fence_on_busy"), "fence_on_busy", ON_BUSY)
+            ),
             busy_max_retries=retries,
             beat_lease=None if beat_lease is None else validation.check_name(beat_lease),
             beat_ttl=beat_ttl,
