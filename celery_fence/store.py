@@ -912,12 +912,7 @@ class LeaseStore:
     def _max_hold(self, max_hold: float | None, ttl: float) -> float | None:
         if max_hold is None:
             return None
-        seconds = validation.check_seconds(
-            max_hold, "max_hold", maximum=validation.MAX_HOLD_SECONDS
-        )
-        if seconds < ttl:
-            raise ConfigurationError(f"max_hold ({seconds:g}s) must be at least ttl ({ttl:g}s)")
-        return seconds
+        return validation.check_max_hold(max_hold, ttl)
 
     @staticmethod
     def _action(action: str) -> str:
@@ -1013,10 +1008,7 @@ class LeaseStore:
         # The database records the lease row's own environment; the lease's is only a fallback,
         # and one written by a SQL client that this library would refuse must not stop the
         # record.
-        try:
-            environment: str | None = validation.check_environment(lease.environment)
-        except ConfigurationError:
-            environment = None
+        environment = validation.readable(validation.check_environment, lease.environment)
         self.record_stale_run(
             lease.name,
             epoch=lease.epoch,

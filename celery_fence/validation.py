@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from celery_fence.exceptions import ConfigurationError
 
@@ -11,6 +12,9 @@ MAX_ENVIRONMENT_LENGTH = 64
 MAX_TEXT_LENGTH = 500
 MAX_TTL_SECONDS = 86_400.0
 MAX_HOLD_SECONDS = 7 * 86_400.0
+#: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
+#: default of ``celery_fence.acquire``).
+DEFAULT_MAX_HOLD_SECONDS = 86_400.0
 #: The largest epoch: epochs are PostgreSQL ``bigint``s.
 MAX_EPOCH = 2**63 - 1
 
@@ -44,10 +48,10 @@ def check_environment(value: object) -> str:
     return check_text(value, "environment", max_length=MAX_ENVIRONMENT_LENGTH)
 
 
-def check_epoch(value: object, what: str = "epoch") -> int:
+def check_epoch(value: object) -> int:
     """Return ``value`` if it is an integer epoch, from 1 to :data:`MAX_EPOCH`."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_EPOCH:
-        raise ConfigurationError(f"{what} must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
+        raise ConfigurationError(f"epoch must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
     return value
 
 
@@ -76,6 +80,26 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
     if seconds > maximum:
         raise ConfigurationError(f"{what} must be at most {maximum:g} seconds, got {value!r}")
     return seconds
+
+
+def check_max_hold(
+    value: object, ttl: float, *, what: str = "max_hold", ttl_what: str = "ttl"
+) -> float:
+    """Return ``value`` as the seconds a lease may be held in all: at most
+    :data:`MAX_HOLD_SECONDS`, and at least ``ttl``, which the database would refuse otherwise."""
+    seconds = check_seconds(value, what, maximum=MAX_HOLD_SECONDS)
+    if seconds < ttl:
+        raise ConfigurationError(f"{what} ({seconds:g}s) must be at least {ttl_what} ({ttl:g}s)")
+    return seconds
+
+
+def readable(check: Callable[[object], str], value: object) -> str | None:
+    """``value`` as ``check`` returns it, or None when ``check`` refuses it: for recording what
+    could be read of an input that is rejected anyway."""
+    try:
+        return check(value)
+    except ConfigurationError:
+        return None
 
 
 def check_fraction(value: object, what: str) -> float:

@@ -33,7 +33,7 @@ from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
 from .headers import HEADER, FenceHeader, MalformedHeaderError
-from .settings import DEFAULT_MAX_HOLD, FenceSettings, check_timing
+from .settings import FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
 SKIPPED = "SKIPPED"
@@ -382,7 +382,7 @@ class Fence:
             # This delivery waited for an earlier delivery of its message to end: one that ran to
             # its end and released the lease did the work, which must not run twice.
             owner = self.store.owner(name)
-            if owner is not None and owner.state == "released" and task.earlier_delivery(owner):
+            if owner is not None and task.finished_before(owner):
                 done = Acquisition(outcome="held", lease=None, owner=owner)
                 return self._refused(task, name, done, enforced, "owner")
         try:
@@ -572,6 +572,15 @@ class FencedTask(Task):  # type: ignore[misc]
             return False
         return owner.holder.startswith(f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH])
 
+    def finished_before(self, owner: Owner) -> bool:
+        """Whether this delivery waited for an earlier delivery of its message (see
+        :meth:`waited_for`) that ran to its end: ``owner``, the lease's, released by it."""
+        return (
+            owner.state == "released"
+            and self.waited_for() is not None
+            and self.earlier_delivery(owner)
+        )
+
     def waited_for(self) -> tuple[int, datetime] | None:
         """The epoch and expiry of the earlier delivery's lease this delivery was retried to
         wait for (the ``WAITING`` header), if any."""
@@ -620,17 +629,13 @@ class FencedTask(Task):  # type: ignore[misc]
         self.renew_interval(settings, ttl)
         max_hold = self.fence_max_hold or settings.max_hold
         if max_hold is None:
-            hold = max(ttl, DEFAULT_MAX_HOLD)
+            hold = max(ttl, validation.DEFAULT_MAX_HOLD_SECONDS)
         else:
-            hold = validation.check_seconds(
-                max_hold, f"{self.name} max_hold", maximum=validation.MAX_HOLD_SECONDS
+            # The store refuses an acquisition whose ttl (the larger of the task's ttl and its
+            # min_hold) exceeds its maximum hold: every run would fail.
+            hold = validation.check_max_hold(
+                max_hold, ttl, what=f"{self.name} max_hold", ttl_what="the lease's ttl"
             )
-            if hold < ttl:
-                # The store refuses such an acquisition: every run would fail.
-                raise ConfigurationError(
-                    f"{self.name}: max_hold ({hold:g}s) must be at least the lease's ttl "
-                    f"({ttl:g}s, the larger of the task's ttl and its min_hold)"
-                )
         time_limit = self.time_limit or self.app.conf.task_time_limit
         if time_limit is not None and time_limit > hold:
             bound = "" if max_hold is not None else " (the longer of its ttl and a day)"
@@ -650,14 +655,8 @@ class FencedTask(Task):  # type: ignore[misc]
         message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
         if owner is not None and owner.paused:
             message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
-        if (
-            owner is not None
-            and owner.state == "released"
-            and self.waited_for() is not None
-            and self.earlier_delivery(owner)
-        ):
-            # A delivery that waited for an earlier one finds that it ran to its end: that
-            # delivery did the work, so there is nothing to retry for.
+        if owner is not None and self.finished_before(owner):
+            # That delivery did the work, so there is nothing to retry for.
             message = (
                 f"{self.name}: lease {name} was released by an earlier delivery of this task, "
                 f"{who}, which ran to its end"

@@ -8,9 +8,9 @@ proof in the database (``celery_fence.rejoin``).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast, get_args
 
 from celery_fence import validation
 from celery_fence.exceptions import ConfigurationError
@@ -66,36 +66,25 @@ class FenceHeader:
                 lease_name=None,
                 holder=None,
             )
-        # What can be read is recorded with the rejection; anything a lease name or holder may
-        # not be is recorded as unreadable.
-        lease = _readable(validation.check_name, value.get("lease"))
-        holder = _readable(validation.check_holder, value.get("holder"))
         try:
-            epoch = validation.check_epoch(value.get("epoch"))
-            mode = value.get("mode")
-            if mode not in ("join", "resume"):
-                raise ConfigurationError(f"mode must be join or resume, got {mode!r}")
-            digest = value.get("proof")
-            if not isinstance(digest, str) or not _PROOF.match(digest):
-                raise ConfigurationError("proof must be 64 lowercase hex digits")
             return cls(
                 lease=validation.check_name(value.get("lease")),
-                epoch=epoch,
+                epoch=validation.check_epoch(value.get("epoch")),
                 holder=validation.check_holder(value.get("holder")),
-                mode=mode,
-                proof=digest,
+                mode=cast(Mode, validation.check_choice(value.get("mode"), "mode", get_args(Mode))),
+                proof=_check_proof(value.get("proof")),
             )
         except ConfigurationError as exc:
+            # What can be read is recorded with the rejection; anything a lease name or holder
+            # may not be is recorded as unreadable.
             raise MalformedHeaderError(
                 f"malformed {HEADER} header: {exc}",
-                lease_name=lease,
-                holder=holder,
+                lease_name=validation.readable(validation.check_name, value.get("lease")),
+                holder=validation.readable(validation.check_holder, value.get("holder")),
             ) from exc
 
 
-def _readable(check: Callable[[object], str], value: object) -> str | None:
-    """``value`` if ``check`` accepts it, else None."""
-    try:
-        return check(value)
-    except ConfigurationError:
-        return None
+def _check_proof(value: object) -> str:
+    if not isinstance(value, str) or not _PROOF.match(value):
+        raise ConfigurationError("proof must be 64 lowercase hex digits")
+    return value

@@ -35,11 +35,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-#: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
-#: default of ``celery_fence.acquire``).
-DEFAULT_MAX_HOLD = 86_400.0
-
-
 def check_timing(
     ttl: float, renew_interval: float | None, safety_margin: float, what: str
 ) -> float:
@@ -114,14 +109,9 @@ class FenceSettings:
         )
         max_hold = get("fence_max_hold")
         if max_hold is not None:
-            max_hold = validation.check_seconds(
-                max_hold, "fence_max_hold", maximum=validation.MAX_HOLD_SECONDS
+            max_hold = validation.check_max_hold(
+                max_hold, default_ttl, what="fence_max_hold", ttl_what="fence_default_ttl"
             )
-            if max_hold < default_ttl:
-                raise ConfigurationError(
-                    f"fence_max_hold ({max_hold:g}s) must be at least fence_default_ttl "
-                    f"({default_ttl:g}s)"
-                )
         renew_interval = get("fence_renew_interval")
         check_timing(default_ttl, renew_interval, safety_margin, "fence_default_ttl")
         beat_ttl = validation.check_seconds(
