@@ -307,7 +307,8 @@ class LeaseStore:
     ``engine`` is a SQLAlchemy engine on psycopg 3. ``clock`` replaces the database clock (tests
     pass a function returning an aware ``datetime``); by default ``clock_timestamp()`` decides.
     ``max_ttl`` bounds every TTL this store asks for. ``lock_timeout`` bounds how long an
-    acquisition waits behind fenced writers before it answers "busy". ``safety_margin`` is the
+    acquisition waits behind fenced writers before it answers "busy" (a renewal, before it
+    raises). ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
     could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
     on connections of the store's own, opened as ``engine`` opens its own (outside its pool): up
@@ -525,9 +526,14 @@ class LeaseStore:
     def _busy(self, name: str, error: FenceDatabaseError, call: str) -> Acquisition:
         """The answer to a call that waited past ``lock_timeout`` for the lease's row; any other
         database error is raised again."""
+        self._check_busy(name, error, call)
+        return Acquisition(outcome="busy", lease=None, owner=self.owner(name))
+
+    def _check_busy(self, name: str, error: FenceDatabaseError, call: str) -> None:
+        """Log and count ``error`` if it ended a call that waited past ``lock_timeout`` for the
+        lease's row; raise it again if it is any other database error."""
         if error.__cause__ is None or _sqlstate(error.__cause__) != _LOCK_NOT_AVAILABLE:
             raise error
-        owner = self.owner(name)
         self.metrics.incr(f"{call}.busy")
         log.info(
             "lease %s busy: %s waited past lock_timeout behind fenced writers",
@@ -535,28 +541,37 @@ class LeaseStore:
             call,
             extra={"lease": name},
         )
-        return Acquisition(outcome="busy", lease=None, owner=owner)
 
     def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
         """Extend the lease (never its epoch, never past its maximum hold).
 
         Raises :class:`LeaseLostError` with the current owner when the lease was superseded,
-        released, paused or expired; the database records that stale renewal.
+        released, paused or expired; the database records that stale renewal. Raises
+        :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
+        ``lock_timeout``: the lease is unchanged, and the renewal may be tried again.
         """
         ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
         started = time.monotonic()
-        row = self._call(
-            "renew",
-            {
-                "name": lease.name,
-                "epoch": lease.epoch,
-                "token": lease.token,
-                "ttl": ttl_seconds,
-                "holder": lease.holder,
-                "enforced": True,
-                "now": self._now(),
-            },
-        )
+        try:
+            row = self._call(
+                "renew",
+                {
+                    "name": lease.name,
+                    "epoch": lease.epoch,
+                    "token": lease.token,
+                    "ttl": ttl_seconds,
+                    "holder": lease.holder,
+                    "enforced": True,
+                    "now": self._now(),
+                    "lock_timeout": self.lock_timeout,
+                },
+            )
+        except FenceDatabaseError as exc:
+            self._check_busy(lease.name, exc, "renew")
+            raise FenceDatabaseError(
+                f"lease {lease.name} epoch {lease.epoch} not renewed: fenced writers kept its row "
+                f"locked past lock_timeout ({self.lock_timeout:g}s); it is unchanged"
+            ) from exc.__cause__
         if row["outcome"] != "renewed":
             raise self._rejected(lease.name, lease.epoch, lease.holder, row, "renew", True)
         self.metrics.incr("renew.renewed")

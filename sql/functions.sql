@@ -233,14 +233,20 @@ $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.renew(
     p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
-    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds'
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+-- As in acquire: the wait for the holder's row behind fenced writers is bounded
+-- (lock_not_available), so that one renewal cannot hold up the renewals queued after it.
+SET lock_timeout = '2s'
+AS $$
 DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
+    PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     -- The holder's row is locked first and the clock read after (see acquire): a renewal that
     -- waited behind a fenced writer past the expiry must not bring the lease back.
     SELECT * INTO v_row FROM celery_fence.leases l

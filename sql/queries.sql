@@ -8,7 +8,8 @@ SELECT * FROM celery_fence.acquire(
 
 -- name: renew
 SELECT * FROM celery_fence.renew(
-    :name, :epoch, :token, make_interval(secs => :ttl), :holder, :enforced, :now
+    :name, :epoch, :token, make_interval(secs => :ttl), :holder, :enforced, :now,
+    make_interval(secs => :lock_timeout)
 )
 
 -- name: release

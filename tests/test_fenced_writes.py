@@ -21,7 +21,7 @@ from freezegun import freeze_time
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from celery_fence import FenceDatabaseError, Lease, LeaseStore, StaleEpochError
+from celery_fence import FenceDatabaseError, Lease, LeaseLostError, LeaseStore, StaleEpochError
 from celery_fence.store import Executor, engine_from_url, proof
 
 NAME = "release:prod"
@@ -655,6 +655,39 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert committed_values(protected) == ["initial", "H"]
     assert [entry.epoch for entry in store.history(NAME)] == [stale.epoch]
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
+
+
+def test_a_renewal_behind_a_fenced_writer_gives_up_after_lock_timeout_and_changes_nothing(
+    store: LeaseStore, protected: Engine
+) -> None:
+    held = acquire(store, "H")
+    other = LeaseStore(protected, lock_timeout=0.2)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            holder = FencedHolder(pool, store, held)
+            started = time.monotonic()
+            with pytest.raises(FenceDatabaseError, match="past lock_timeout") as raised:
+                other.renew(held)
+            waited = time.monotonic() - started
+            kept = store.owner(NAME)
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+        assert 0.2 <= waited < 2
+        assert not isinstance(raised.value, LeaseLostError)
+        assert other.metrics.get("renew.busy") == 1
+        # Nothing was decided: the lease is as it was, no stale run; once H committed, it renews.
+        assert kept is not None
+        assert (kept.epoch, kept.renewed_at, kept.expires_at) == (
+            held.epoch,
+            held.acquired_at,
+            held.expires_at,
+        )
+        assert store.stale_runs() == []
+        renewed = other.renew(held)
+        assert (renewed.epoch, renewed.token) == (held.epoch, held.token)
+        assert renewed.expires_at > held.expires_at
+    finally:
+        other.dispose()
 
 
 def timed_resume(other: LeaseStore, held: Lease) -> tuple[str, float]:

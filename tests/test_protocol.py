@@ -453,8 +453,8 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
     ``track_functions = 'all'`` the server counts exactly those calls: the protocol's paths
     below, through the statements the store sends, must leave them at zero."""
     queries = _sql.queries()
-    lease = {"name": "inline", "environment": "prod", "purpose": "", "now": None}
-    acquire = {**lease, "ttl": 60, "max_hold": None, "lock_timeout": 2}
+    lease = {"name": "inline", "environment": "prod", "purpose": "", "now": None, "lock_timeout": 2}
+    acquire = {**lease, "ttl": 60, "max_hold": None}
 
     with engine.begin() as conn:
 

@@ -262,6 +262,42 @@ def test_upgrading_from_schema_2_keeps_every_epoch_in_the_history(empty_database
     ]
 
 
+# Schema 4's renew, which took no lock timeout (its body is beside the point here).
+RENEW_OF_SCHEMA_4 = """
+CREATE FUNCTION celery_fence.renew(
+    p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$
+"""
+
+
+def test_upgrading_from_schema_4_leaves_one_renew(empty_database_url: str) -> None:
+    """Beside schema 4's renew, the one taking a lock timeout would make every call that leaves
+    the timeout out ambiguous: the upgrade drops the old one."""
+    install(empty_database_url)
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    renews = sa.text(
+        "SELECT pg_get_function_identity_arguments(oid) FROM pg_proc"
+        " WHERE pronamespace = 'celery_fence'::regnamespace AND proname = 'renew'"
+    )
+    call = sa.text(
+        "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version = 5")
+            conn.exec_driver_sql(RENEW_OF_SCHEMA_4)
+        assert install(empty_database_url) == _sql.latest_version()
+        with engine.begin() as conn:
+            (arguments,) = conn.execute(renews).scalars()
+            assert tuple(conn.execute(call).one()) == ("lost", "missing")
+    finally:
+        engine.dispose()
+    assert arguments.endswith("p_now timestamp with time zone, p_lock_timeout interval")
+
+
 # -- the printed script is what install runs -----------------------------------------------------
 
 

@@ -510,6 +510,52 @@ def test_stopped_keepers_leave_the_queue_without_a_renewal_attempt(
     assert set(attempts) == {"keeper:live"}
 
 
+@pytest.mark.usefixtures("renewals")
+def test_a_renewal_kept_waiting_by_a_fenced_writer_does_not_hold_up_the_other_leases(
+    store: LeaseStore, manifest: Engine, wait: Wait
+) -> None:
+    """One thread renews every lease of a process. A renewal waiting for its lease's row behind
+    a fenced writer's open transaction gives up after ``lock_timeout`` and is tried again, and
+    the other leases are renewed in the meantime."""
+    renewing = LeaseStore(store.engine, lock_timeout=0.2, pool_size=1)
+    renewed: list[str] = []
+
+    def refresh(current: Lease) -> Lease:
+        lease = renewing.renew(current)
+        renewed.append(lease.name)
+        return lease
+
+    blocked_lease = take(store, name="keeper:blocked")
+    free_lease = take(store, name="keeper:free")
+    try:
+        with (
+            LeaseKeeper(blocked_lease, refresh, interval=0.1) as blocked,
+            LeaseKeeper(free_lease, refresh, interval=0.1) as free,
+        ):
+            with manifest.begin() as conn:
+                with store.guard(blocked_lease, conn, action="publish manifest"):
+                    conn.execute(INSERT, {"environment": "prod", "release": 1})
+                # The blocked lease's row stays locked FOR SHARE until this transaction ends.
+                wait.until(
+                    lambda: (
+                        renewing.metrics.get("renew.busy") >= 2
+                        and renewed.count("keeper:free") >= 3
+                    ),
+                    what="the free lease's renewals while the other's row is locked",
+                )
+                assert "keeper:blocked" not in renewed
+            wait.until(lambda: "keeper:blocked" in renewed, what="the blocked lease's renewal")
+            assert blocked.held
+            assert free.held
+    finally:
+        renewing.dispose()
+
+    assert blocked.lease.epoch == blocked_lease.epoch
+    assert blocked.lease.expires_at > blocked_lease.expires_at
+    assert manifest_rows(manifest) == [("prod", 1)]
+    assert store.stale_runs() == []
+
+
 def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
     store: LeaseStore, short_lease: Callable[[float], Lease], wait: Wait
 ) -> None:
