@@ -499,6 +499,27 @@ def test_min_hold_keeps_the_lease_after_a_fast_run(
     assert again.info["owner_epoch"] == 1
 
 
+def test_a_retry_of_a_min_hold_task_renews_on_the_same_timing_as_its_first_run(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    # A 20s renew interval fits the 60s lease min_hold makes, not the 5s ttl alone.
+    @fence.task(lease="nightly:{day}", ttl=5, min_hold=60, renew_interval=20, bind=True)
+    def nightly(self: Any, day: str) -> list[Any]:
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    with worker():
+        assert wait.outcome(nightly.delay("monday")) == ["resume", 1]
+
+    owner = store.owner("nightly:monday")
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "held")
+    assert (owner.expires_at - owner.acquired_at).total_seconds() == pytest.approx(60, abs=1)
+    assert store.stale_runs() == []
+
+
 def test_shadow_mode_runs_a_busy_body_and_only_in_its_environment(
     app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:

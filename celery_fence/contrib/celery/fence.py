@@ -377,7 +377,7 @@ class Fence:
     ) -> FencedRun:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
-        ttl = max(task.fence_ttl or settings.default_ttl, task.fence_min_hold)
+        ttl = task.lease_ttl(settings)
         if task.waited_for() is not None:
             # This delivery waited for an earlier delivery of its message to end: one that ran to
             # its end and released the lease did the work, which must not run twice.
@@ -442,7 +442,7 @@ class Fence:
         which the task does not continue: it takes its own lease instead."""
         settings = self.settings
         action = f"start {task.name}"
-        ttl = task.fence_ttl or settings.default_ttl
+        ttl = task.lease_ttl(settings)
         try:
             header = FenceHeader.from_message(value)
             if header.mode == "resume" and header.lease != _fill(
@@ -609,6 +609,11 @@ class FencedTask(Task):  # type: ignore[misc]
         renewed = waited is not None and waited[0] == owner.epoch and owner.expires_at > waited[1]
         return not renewed
 
+    def lease_ttl(self, settings: FenceSettings) -> float:
+        """The TTL of the task's lease: its own or the default, at least its ``min_hold``; the
+        same for a run that takes the lease and for its retries and children."""
+        return max(self.fence_ttl or settings.default_ttl, self.fence_min_hold)
+
     def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
         return check_timing(
             ttl,
@@ -622,7 +627,7 @@ class FencedTask(Task):  # type: ignore[misc]
         a renew interval that cannot keep the lease, a time limit longer than the maximum hold
         (without one, the bound the database puts on every lease)."""
         ttl = validation.check_seconds(
-            max(self.fence_ttl or settings.default_ttl, self.fence_min_hold),
+            self.lease_ttl(settings),
             f"{self.name} ttl",
             maximum=settings.max_ttl,
         )
