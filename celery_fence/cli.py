@@ -544,9 +544,9 @@ def release(
     """
     lease = _lease_from_options(settings, name, epoch, token, holder, lease_json, None)
     with _lost_answer():
-        settings.store().release(lease)
+        outcome = settings.store().release(lease)
     echo_json(
-        {"outcome": "released", "name": lease.name, "epoch": lease.epoch, "holder": lease.holder}
+        {"outcome": outcome, "name": lease.name, "epoch": lease.epoch, "holder": lease.holder}
     )
 
 

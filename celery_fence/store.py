@@ -33,6 +33,7 @@ from celery_fence.observe import Metrics, log, stale_log
 
 Clock = Callable[[], datetime]
 Mode = Literal["join", "resume"]
+Released = Literal["released", "left"]
 #: The reasons a stale run is recorded for (the CHECK of ``celery_fence.stale_runs.reason``).
 _STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "missing", "malformed")
 
@@ -577,9 +578,10 @@ class LeaseStore:
         self.metrics.incr("renew.renewed")
         return self._lease(row, started, ttl_seconds)
 
-    def release(self, lease: Lease) -> None:
-        """Give the lease up at once (idempotent). Only its holder can: a stale release raises
-        :class:`LeaseLostError` and is recorded."""
+    def release(self, lease: Lease) -> Released:
+        """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
+        release raises :class:`LeaseLostError` and is recorded. A sharer of a lease shared with
+        continuations (see :meth:`rejoin`) only leaves it, ``"left"``, while others hold it."""
         row = self._call(
             "release",
             {
@@ -591,16 +593,19 @@ class LeaseStore:
                 "now": self._now(),
             },
         )
-        if row["outcome"] not in ("released", "left"):
+        outcome: Released = row["outcome"]
+        if outcome not in get_args(Released):
             raise self._rejected(lease.name, lease.epoch, lease.holder, row, "release", True)
-        self.metrics.incr("release.released")
-        log.info(
-            "lease %s released by %s at epoch %d",
-            lease.name,
-            lease.holder,
-            lease.epoch,
-            extra={"lease": lease.name, "epoch": lease.epoch, "holder": lease.holder},
-        )
+        self.metrics.incr(f"release.{outcome}")
+        who = (lease.name, lease.holder, lease.epoch)
+        extra = {"lease": lease.name, "epoch": lease.epoch, "holder": lease.holder}
+        if outcome == "released":
+            log.info("lease %s released by %s at epoch %d", *who, extra=extra)
+        else:
+            log.info(
+                "lease %s left by %s at epoch %d; its other sharers hold it", *who, extra=extra
+            )
+        return outcome
 
     def rejoin(
         self,

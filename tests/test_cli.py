@@ -23,6 +23,7 @@ from click.testing import CliRunner, Result
 from celery_fence import LeaseStore, Owner, _sql
 from celery_fence.cli import ExitCode, RaceAnswer, main, race_problems
 from celery_fence.models import Lease
+from celery_fence.store import proof
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "reference" / "cli.md"
@@ -298,6 +299,33 @@ def test_renew_and_release_read_the_lease_from_json(database_url: str, tmp_path:
     assert again.exit_code == ExitCode.OK, "releasing twice is harmless"
     successor = answer(acquire(database_url, "job", "b"))
     assert (successor["acquired"], successor["lease"]["epoch"]) == (True, 2)
+
+
+def test_a_sharer_releasing_a_shared_lease_only_leaves_it(
+    database_url: str, store: LeaseStore
+) -> None:
+    lease = store.acquire("job", holder="a", ttl=30).lease
+    assert lease is not None
+    # A continuation shares the lease: two sharers now hold it.
+    joined = store.rejoin(
+        "job",
+        epoch=lease.epoch,
+        holder="a",
+        mode="resume",
+        proof=proof(lease, "resume"),
+        ttl=30,
+        action="start child",
+    )
+    assert joined.outcome == "joined"
+    flags = ["job", "--epoch", str(lease.epoch), "--token", str(lease.token), "--holder", "a"]
+    left = cli(database_url, "release", *flags)
+    assert left.exit_code == ExitCode.OK, left.stderr
+    assert answer(left) == {"outcome": "left", "name": "job", "epoch": 1, "holder": "a"}
+    [owner] = answer(cli(database_url, "status", "job", "--json"))
+    assert owner["state"] == "held"
+    assert answer(cli(database_url, "release", *flags))["outcome"] == "released"
+    [owner] = answer(cli(database_url, "status", "job", "--json"))
+    assert owner["state"] == "released"
 
 
 def test_renewing_a_superseded_lease_exits_5_with_the_owner(database_url: str) -> None:

@@ -196,8 +196,9 @@ def test_renew_cannot_extend_past_max_hold(
 
 def test_release_frees_the_lease_at_once_and_twice_is_harmless(store: LeaseStore) -> None:
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
-    store.release(lease)
-    store.release(lease)
+    assert store.release(lease) == "released"
+    assert store.release(lease) == "released"
+    assert store.metrics.get("release.released") == 2
     owner = store.owner(NAME)
     assert owner is not None
     assert owner.state == "released"
