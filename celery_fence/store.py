@@ -618,6 +618,7 @@ class LeaseStore:
         ttl: float,
         action: str,
         enforce: bool = True,
+        environment: str | None = None,
     ) -> Acquisition:
         """Take up a lease at the epoch a continuation was published under (see
         ``celery_fence.rejoin`` in the SQL reference): ``outcome`` is ``"joined"`` when the
@@ -630,7 +631,8 @@ class LeaseStore:
         may be made again later.
 
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
-        proof does not match; the database records the stale run."""
+        proof does not match; the database records the stale run, under the lease's
+        environment, or ``environment`` for a lease that does not exist (``missing``)."""
         try:
             proof_bytes = bytes.fromhex(proof)
         except ValueError as exc:
@@ -648,6 +650,9 @@ class LeaseStore:
             "enforced": enforce,
             "now": self._now(),
             "lock_timeout": self.lock_timeout,
+            "environment": None
+            if environment is None
+            else validation.check_environment(environment),
         }
         started = time.monotonic()
         try:

@@ -399,7 +399,7 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds'
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in acquire: a resume waits for the lease's key and row at most this long (lock_not_available).
 SET lock_timeout = '2s'
@@ -440,8 +440,9 @@ BEGIN
         v_reason := NULL;
     END IF;
     IF v_reason IS NOT NULL THEN
+        -- The lease's own environment, or, for a lease that does not exist, the caller's.
         PERFORM celery_fence.record_stale_run(
-            p_name, p_epoch, p_holder, v_reason, p_action, NULL, p_enforced, p_now
+            p_name, p_epoch, p_holder, v_reason, p_action, p_environment, p_enforced, p_now
         );
         RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;

@@ -207,6 +207,31 @@ def test_release_frees_the_lease_at_once_and_twice_is_harmless(store: LeaseStore
     assert store.stale_runs() == []
 
 
+def test_a_rejoin_of_a_lease_that_does_not_exist_is_recorded_in_the_callers_environment(
+    store: LeaseStore,
+) -> None:
+    with pytest.raises(LeaseLostError) as caught:
+        store.rejoin(
+            NAME,
+            epoch=3,
+            holder="a",
+            mode="resume",
+            proof="00" * 32,
+            ttl=30,
+            action="start publish",
+            environment="prod",
+        )
+    assert caught.value.reason == "missing"
+    assert store.owner(NAME) is None
+    [stale] = store.stale_runs(environment="prod")
+    assert (stale.lease_name, stale.reason, stale.stale_epoch, stale.current_epoch) == (
+        NAME,
+        "missing",
+        3,
+        None,
+    )
+
+
 def test_history_records_each_epoch_and_how_it_ended(
     fake_store: LeaseStore, frozen: FrozenDateTimeFactory
 ) -> None:

@@ -262,40 +262,75 @@ def test_upgrading_from_schema_2_keeps_every_epoch_in_the_history(empty_database
     ]
 
 
-# Schema 4's renew, which took no lock timeout (its body is beside the point here).
-RENEW_OF_SCHEMA_4 = """
+# Each: the function, a signature an earlier schema had (its body is beside the point here), the
+# version that dropped it, a call that leaves the newer arguments out, and how the one left ends.
+SUPERSEDED_SIGNATURES = [
+    pytest.param(
+        "renew",
+        """
 CREATE FUNCTION celery_fence.renew(
     p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$
-"""
+""",
+        5,
+        "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')",
+        "p_now timestamp with time zone, p_lock_timeout interval",
+        id="renew without a lock timeout",
+    ),
+    pytest.param(
+        "rejoin",
+        """
+CREATE FUNCTION celery_fence.rejoin(
+    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
+    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds'
+) RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$
+""",
+        6,
+        "SELECT outcome, reason FROM celery_fence.rejoin("
+        "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
+        "p_lock_timeout interval, p_environment text",
+        id="rejoin without an environment",
+    ),
+]
 
 
-def test_upgrading_from_schema_4_leaves_one_renew(empty_database_url: str) -> None:
-    """Beside schema 4's renew, the one taking a lock timeout would make every call that leaves
-    the timeout out ambiguous: the upgrade drops the old one."""
+@pytest.mark.parametrize(
+    ("function", "earlier", "version", "call", "arguments_end"), SUPERSEDED_SIGNATURES
+)
+def test_upgrading_leaves_one_signature_of_a_function(
+    empty_database_url: str,
+    function: str,
+    earlier: str,
+    version: int,
+    call: str,
+    arguments_end: str,
+) -> None:
+    """Beside the earlier signature, the one taking more arguments would make every call that
+    leaves them out ambiguous: the upgrade drops the earlier one."""
     install(empty_database_url)
     engine = sa.create_engine(
         libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
     )
-    renews = sa.text(
+    signatures = sa.text(
         "SELECT pg_get_function_identity_arguments(oid) FROM pg_proc"
-        " WHERE pronamespace = 'celery_fence'::regnamespace AND proname = 'renew'"
-    )
-    call = sa.text(
-        "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')"
+        " WHERE pronamespace = 'celery_fence'::regnamespace AND proname = :function"
     )
     try:
         with engine.begin() as conn:
-            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version = 5")
-            conn.exec_driver_sql(RENEW_OF_SCHEMA_4)
+            conn.execute(
+                sa.text("DELETE FROM celery_fence.migrations WHERE version >= :version"),
+                {"version": version},
+            )
+            conn.exec_driver_sql(earlier)
         assert install(empty_database_url) == _sql.latest_version()
         with engine.begin() as conn:
-            (arguments,) = conn.execute(renews).scalars()
-            assert tuple(conn.execute(call).one()) == ("lost", "missing")
+            (arguments,) = conn.execute(signatures, {"function": function}).scalars()
+            assert tuple(conn.execute(sa.text(call)).one()) == ("lost", "missing")
     finally:
         engine.dispose()
-    assert arguments.endswith("p_now timestamp with time zone, p_lock_timeout interval")
+    assert arguments.endswith(arguments_end)
 
 
 # -- the printed script is what install runs -----------------------------------------------------

@@ -13,6 +13,7 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -317,6 +318,35 @@ def test_stale_header_is_rejected_before_the_body_and_recorded(
     assert (stale.reason, stale.current_holder, stale.enforced) == ("superseded", HOLDER, True)
     assert stale.action == "start probe.publish"
     assert_still_held(store, current.epoch)
+
+
+def test_a_header_for_a_lease_that_does_not_exist_is_recorded_in_the_tasks_environment(
+    probe: Callable[..., Probe], worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    publish = probe(environment="{environment}")
+    now = datetime.now(timezone.utc)
+    never_taken = Lease(
+        name=NAME,
+        environment="prod",
+        holder=HOLDER,
+        purpose="",
+        epoch=1,
+        token=uuid.uuid4(),
+        acquired_at=now,
+        expires_at=now,
+        hold_until=now,
+        ttl=60,
+        deadline=0.0,
+    )
+
+    result = rejected(
+        publish, FenceHeader.for_lease(never_taken, "join").to_message(), worker, wait
+    )
+
+    assert result.info["reason"] == "missing"
+    [stale] = store.stale_runs(environment="prod")
+    assert (stale.lease_name, stale.reason, stale.stale_epoch) == (NAME, "missing", 1)
+    assert store.owner(NAME) is None
 
 
 FORGERIES: dict[str, Callable[[Lease], dict[str, Any]]] = {

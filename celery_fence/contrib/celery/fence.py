@@ -458,6 +458,7 @@ class Fence:
                 ttl=ttl,
                 action=action,
                 enforce=enforced,
+                environment=environment,
             )
         except MalformedHeaderError as exc:
             self.store.record_stale_run(
@@ -498,6 +499,7 @@ class Fence:
                     ttl=ttl,
                     action=f"check {task.name}",
                     enforce=enforced,
+                    environment=environment,
                 )
                 assert rejoined.lease is not None
                 return rejoined.lease
