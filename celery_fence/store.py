@@ -619,6 +619,8 @@ class LeaseStore:
         action: str,
         enforce: bool = True,
         environment: str | None = None,
+        successor: str | None = None,
+        delivery_prefix: str | None = None,
     ) -> Acquisition:
         """Take up a lease at the epoch a continuation was published under (see
         ``celery_fence.rejoin`` in the SQL reference): ``outcome`` is ``"joined"`` when the
@@ -629,6 +631,11 @@ class LeaseStore:
         ``outcome`` is ``"busy"`` (no lease) when a resume waited for the lease's row longer
         than ``lock_timeout`` (fenced writers held it): nothing was decided, and the same call
         may be made again later.
+
+        A take-over is held by ``successor`` (default ``holder``). A resume that finds a newer
+        epoch held by a holder starting with ``delivery_prefix`` (an earlier delivery of the
+        continuation's own message) is not stale: ``outcome`` is ``"held"`` (``"paused"``, no
+        lease) while that holder holds the lease, and the lease is taken over once it lapsed.
 
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
         proof does not match; the database records the stale run, under the lease's
@@ -653,12 +660,16 @@ class LeaseStore:
             "environment": None
             if environment is None
             else validation.check_environment(environment),
+            "successor": None if successor is None else validation.check_holder(successor),
+            "delivery_prefix": delivery_prefix or None,
         }
         started = time.monotonic()
         try:
             row = self._call("rejoin", params)
         except FenceDatabaseError as exc:
             return self._busy(name, exc, "rejoin")
+        if row["outcome"] in ("held", "paused"):
+            return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(name, epoch, holder, row, action, enforce)
         return Acquisition(

@@ -394,12 +394,16 @@ $$;
 -- travels. Mode 'resume' (retries and children of a fenced task) shares the lease while it is
 -- held (outcome 'joined': one more sharer, so the lease is released only when the last sharer
 -- releases it) and, when it was released or expired with no newer epoch, takes it over at the
--- next epoch (outcome 'resumed'); mode 'join' (tasks dispatched by a fenced beat) only shares a
--- lease that is still held, without extending or releasing it. Rejections are recorded.
+-- next epoch (outcome 'resumed', held by p_successor, p_holder when null); mode 'join' (tasks
+-- dispatched by a fenced beat) only shares a lease that is still held, without extending or
+-- releasing it. A newer epoch held by a holder starting with p_delivery_prefix is an earlier
+-- delivery of the continuation's own message: 'held' (or 'paused') while it holds the lease,
+-- taken over once it lapsed. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL,
+    p_successor text DEFAULT NULL, p_delivery_prefix text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in acquire: a resume waits for the lease's key and row at most this long (lock_not_available).
 SET lock_timeout = '2s'
@@ -410,6 +414,7 @@ DECLARE
     v_now timestamptz;
     v_answer celery_fence.answer;
     v_waited_from timestamptz;
+    v_own boolean := false;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
@@ -438,6 +443,13 @@ BEGIN
         v_reason := 'forged';
     ELSIF v_reason IN ('released', 'expired') AND p_mode = 'resume' THEN
         v_reason := NULL;
+    ELSIF v_reason = 'superseded' AND p_mode = 'resume'
+        AND starts_with(v_row.holder, nullif(p_delivery_prefix, '')) THEN
+        -- The newer epoch was taken by an earlier delivery of this continuation's own message
+        -- (redelivered after its worker was lost, or past the broker's visibility timeout): not
+        -- a stale run, but the same work, which the caller waits for or takes over below.
+        v_reason := NULL;
+        v_own := true;
     END IF;
     IF v_reason IS NOT NULL THEN
         -- The lease's own environment, or, for a lease that does not exist, the caller's.
@@ -449,11 +461,18 @@ BEGIN
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
+    IF v_own AND (v_row.paused OR (v_row.released_at IS NULL AND v_row.expires_at > v_now)) THEN
+        -- That delivery still holds the lease, or it is paused: the caller is refused as an
+        -- acquirer would be, and nothing is recorded.
+        RETURN celery_fence.answer_of(
+            CASE WHEN v_row.paused THEN 'paused' ELSE 'held' END, NULL, v_row, false, v_now
+        );
+    END IF;
     IF v_row.released_at IS NOT NULL OR v_row.expires_at <= v_now THEN
         -- Taking a released or expired lease back is a new ownership: a new epoch and token, so
         -- that a stalled earlier delivery of the same work can no longer renew or write.
         v_answer := celery_fence.acquire(
-            p_name, v_row.environment, p_holder, p_ttl,
+            p_name, v_row.environment, coalesce(p_successor, p_holder), p_ttl,
             greatest(p_ttl, v_row.hold_until - v_row.acquired_at), v_row.purpose,
             p_lock_timeout => p_lock_timeout, p_now => p_now
         );

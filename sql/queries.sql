@@ -18,7 +18,7 @@ SELECT * FROM celery_fence.release(:name, :epoch, :token, :holder, :enforced, :n
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(
     :name, :epoch, :holder, :mode, :proof, make_interval(secs => :ttl), :action, :enforced, :now,
-    make_interval(secs => :lock_timeout), :environment
+    make_interval(secs => :lock_timeout), :environment, :successor, :delivery_prefix
 )
 
 -- name: fence

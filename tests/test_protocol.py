@@ -232,6 +232,54 @@ def test_a_rejoin_of_a_lease_that_does_not_exist_is_recorded_in_the_callers_envi
     )
 
 
+def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over_once_lapsed(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    """A continuation redelivered after its first delivery took the lease over: that epoch is
+    the same work's, so the redelivery is refused while it is held, never recorded as stale,
+    and takes the lease over once it lapsed. Another message with the same header is stale."""
+    parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
+    fake_store.release(parent)
+    header: dict[str, Any] = {
+        "epoch": parent.epoch,
+        "holder": "parent",
+        "mode": "resume",
+        "proof": proof(parent, "resume"),
+        "ttl": 10,
+        "action": "start child",
+    }
+
+    def delivery(message: str, host: str) -> Acquisition:
+        return fake_store.rejoin(
+            NAME, **header, successor=f"{message}@{host}", delivery_prefix=f"{message}@"
+        )
+
+    first = delivery("child[1]", "host-a")
+    assert first.lease is not None
+    assert (first.outcome, first.lease.epoch, first.lease.holder) == (
+        "resumed",
+        2,
+        "child[1]@host-a",
+    )
+    redelivered = delivery("child[1]", "host-b")
+    assert redelivered.owner is not None
+    assert (redelivered.outcome, redelivered.lease) == ("held", None)
+    assert (redelivered.owner.epoch, redelivered.owner.holder) == (2, "child[1]@host-a")
+    fake_store.pause(NAME, reason="audit")
+    assert delivery("child[1]", "host-b").outcome == "paused"
+    fake_store.resume(NAME)
+    with pytest.raises(LeaseLostError) as sibling:
+        delivery("child[2]", "host-a")
+    assert sibling.value.reason == "superseded"
+    frozen.tick(11)
+    took = delivery("child[1]", "host-b")
+    assert took.lease is not None
+    assert (took.outcome, took.lease.epoch, took.lease.holder) == ("resumed", 3, "child[1]@host-b")
+    assert [(run.stale_holder, run.reason) for run in fake_store.stale_runs()] == [
+        ("parent", "superseded")
+    ]
+
+
 def test_history_records_each_epoch_and_how_it_ended(
     fake_store: LeaseStore, frozen: FrozenDateTimeFactory
 ) -> None:
@@ -504,6 +552,7 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
         publisher = Lease(**{**granted, "ttl": 60, "deadline": time.monotonic() + 60})
         for mode in ("join", "resume"):  # a resume joins as a second sharer
             rejoin = {**acquire, **own, "mode": mode, "action": "start"}
+            rejoin |= {"successor": None, "delivery_prefix": None}
             signed = bytes.fromhex(proof(publisher, mode))
             assert call("rejoin", **rejoin, proof=signed).outcome == "joined"
             assert call("rejoin", **rejoin, proof=bytes(32)).reason == "forged"

@@ -290,8 +290,8 @@ CREATE FUNCTION celery_fence.rejoin(
         6,
         "SELECT outcome, reason FROM celery_fence.rejoin("
         "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
-        "p_lock_timeout interval, p_environment text",
-        id="rejoin without an environment",
+        "p_environment text, p_successor text, p_delivery_prefix text",
+        id="rejoin without its environment, successor and delivery prefix",
     ),
 ]
 

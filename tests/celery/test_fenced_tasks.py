@@ -19,7 +19,8 @@ from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
-from celery_fence.contrib.celery import SKIPPED, Fence, FencedTask, current_run
+from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FencedTask, FenceHeader, current_run
+from celery_fence.store import proof
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -307,6 +308,7 @@ EARLIER_DELIVERY = [
 ]
 
 
+@pytest.mark.parametrize("continuation", [False, True], ids=["a first run", "a continuation"])
 @pytest.mark.parametrize(("earlier", "end"), EARLIER_DELIVERY)
 def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end(
     app: Celery,
@@ -317,9 +319,12 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     expire_lease: Callable[[str], None],
     earlier: str,
     end: str,
+    continuation: bool,
 ) -> None:
     """``acks_late``: the message comes back while a run of it holds the lease. Skipping at once
-    would acknowledge the only message left of work whose run may be gone."""
+    would acknowledge the only message left of work whose run may be gone. A continuation (a
+    child or retry, sent with its publisher's header) whose earlier delivery took the lease over
+    from that publisher is no different: that newer epoch is the same work's."""
     # Busy retries come back within a second (their countdown is capped at fence_max_ttl).
     app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
     runs: list[int] = []
@@ -332,10 +337,31 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     task_id = str(uuid.uuid4())
     # The earlier delivery's holder, as the task makes it, on another worker.
     first = f"{publish.name}[{task_id}]@celery@lost-host"
-    lease = store.acquire(NAME, holder=first, ttl=60).lease
+    headers: dict[str, Any] = {}
+    before: list[tuple[int, str]] = []
+    if continuation:
+        publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
+        assert publisher is not None
+        store.release(publisher)
+        headers[HEADER] = FenceHeader.for_lease(publisher, "resume").to_message()
+        before = [(1, "publisher@test")]
+        lease = store.rejoin(
+            NAME,
+            epoch=publisher.epoch,
+            holder=publisher.holder,
+            mode="resume",
+            proof=proof(publisher, "resume"),
+            ttl=60,
+            action="start publish",
+            successor=first,
+            delivery_prefix=f"{publish.name}[{task_id}]@",
+        ).lease
+    else:
+        lease = store.acquire(NAME, holder=first, ttl=60).lease
     assert lease is not None
+    epoch = lease.epoch
     with worker():
-        result = publish.apply_async(("prod",), task_id=task_id)
+        result = publish.apply_async(("prod",), task_id=task_id, headers=headers)
         wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
         if earlier == "lost":
             expire_lease(NAME)
@@ -351,15 +377,17 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         assert len(runs) == 1
         assert result.result.startswith(f"{publish.name}[{task_id}]@")
         assert [(entry.epoch, entry.holder) for entry in history] == [
-            (2, result.result),
-            (1, first),
+            (epoch + 1, result.result),
+            (epoch, first),
+            *before,
         ]
         assert fence.store.metrics.get("busy.skip") == 0
     else:
         assert runs == []
-        assert [entry.holder for entry in history] == [first]
+        assert [(entry.epoch, entry.holder) for entry in history] == [(epoch, first), *before]
         assert result.info["owner_holder"] == first
         assert fence.store.metrics.get("busy.skip") == 1
+    assert store.stale_runs() == []
 
 
 def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(

@@ -378,13 +378,9 @@ class Fence:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = task.lease_ttl(settings)
-        if task.waited_for() is not None:
-            # This delivery waited for an earlier delivery of its message to end: one that ran to
-            # its end and released the lease did the work, which must not run twice.
-            owner = self.store.owner(name)
-            if owner is not None and task.finished_before(owner):
-                done = Acquisition(outcome="held", lease=None, owner=owner)
-                return self._refused(task, name, done, enforced, "owner")
+        done = self._done_before(task, name, enforced, "owner")
+        if done is not None:
+            return done
         try:
             got = self.store.acquire(
                 name,
@@ -411,6 +407,20 @@ class Fence:
             release_at_end=True,
             min_hold=task.fence_min_hold,
         )
+
+    def _done_before(
+        self, task: FencedTask, name: str, enforced: bool, mode: RunMode
+    ) -> FencedRun | None:
+        """The refused run of a delivery that waited for an earlier delivery of its message to
+        end, when that one ran to its end and released the lease: it did the work, which must
+        not run twice. ``None`` for any other delivery."""
+        if task.waited_for() is None:
+            return None
+        owner = self.store.owner(name)
+        if owner is None or not task.finished_before(owner):
+            return None
+        done = Acquisition(outcome="held", lease=None, owner=owner)
+        return self._refused(task, name, done, enforced, mode)
 
     def _refused(
         self, task: FencedTask, name: str, got: Acquisition, enforced: bool, mode: RunMode
@@ -445,10 +455,12 @@ class Fence:
         ttl = task.lease_ttl(settings)
         try:
             header = FenceHeader.from_message(value)
-            if header.mode == "resume" and header.lease != _fill(
-                task.fence_lease, arguments, "lease"
-            ):
-                return None
+            if header.mode == "resume":
+                if header.lease != _fill(task.fence_lease, arguments, "lease"):
+                    return None
+                done = self._done_before(task, header.lease, enforced, "resume")
+                if done is not None:
+                    return done
             got = self.store.rejoin(
                 header.lease,
                 epoch=header.epoch,
@@ -459,6 +471,10 @@ class Fence:
                 action=action,
                 enforce=enforced,
                 environment=environment,
+                # A take-over goes on in this run's name, so that a redelivery of this message
+                # finds it its own earlier delivery's and waits for it (see FencedTask.refuse).
+                successor=task.holder(),
+                delivery_prefix=task.delivery_prefix(),
             )
         except MalformedHeaderError as exc:
             self.store.record_stale_run(
@@ -484,7 +500,9 @@ class Fence:
                 if enforced
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
-        if got.lease is None:  # a resume kept waiting past lock_timeout by fenced writers
+        if got.lease is None:
+            # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
+            # earlier delivery of its message took over and holds.
             return self._refused(task, header.lease, got, enforced, "resume")
         if header.mode == "join":
             keeper_store = self.keeper_store
@@ -566,13 +584,19 @@ class FencedTask(Task):  # type: ignore[misc]
     def _run_name(self) -> str:
         return f"{self.name}[{self.request.id or 'direct'}]"
 
-    def earlier_delivery(self, owner: Owner) -> bool:
-        """Whether ``owner`` is a run of this very message (the same task id, on any host), as a
-        redelivery finds it: with ``acks_late``, after a worker was lost, or after the broker's
-        visibility timeout while that run goes on."""
+    def delivery_prefix(self) -> str | None:
+        """How the holder of every delivery of this very message begins (the same task id, on
+        any host); ``None`` for a direct call."""
         if self.request.called_directly or self.request.id is None:
-            return False
-        return owner.holder.startswith(f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH])
+            return None
+        return f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH]
+
+    def earlier_delivery(self, owner: Owner) -> bool:
+        """Whether ``owner`` is a run of this very message, as a redelivery finds it: with
+        ``acks_late``, after a worker was lost, or after the broker's visibility timeout while
+        that run goes on."""
+        prefix = self.delivery_prefix()
+        return prefix is not None and owner.holder.startswith(prefix)
 
     def finished_before(self, owner: Owner) -> bool:
         """Whether this delivery waited for an earlier delivery of its message (see

@@ -1,6 +1,0 @@
--- celery-fence 0006: celery_fence.rejoin takes p_environment, the environment a stale run on a
--- lease that does not exist is recorded under. The signature without it is dropped, so that the
--- function installed next is the only rejoin.
-DROP FUNCTION IF EXISTS celery_fence.rejoin(
-    text, bigint, text, text, bytea, interval, text, boolean, timestamptz, interval
-);
