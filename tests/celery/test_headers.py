@@ -159,6 +159,27 @@ def canvas_tasks(fence: Fence, kind: str, seen: Seen, hold: Callable[[], None]) 
     return parent
 
 
+def test_an_eager_child_continues_its_parent_run(
+    app: Celery, fence: Fence, store: LeaseStore
+) -> None:
+    """``task_always_eager`` (and ``apply()``) runs a child in the parent's run, as a worker
+    would run it beside the parent: it shares the parent's epoch instead of being refused."""
+    app.conf.task_always_eager = True
+
+    @fence.task(lease="release:{environment}")
+    def child(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    @fence.task(lease="release:{environment}")
+    def parent(environment: str) -> list[Any]:
+        return [child.delay(environment).result, child.apply((environment,)).result]
+
+    assert parent.delay("prod").get() == [["resume", 1], ["resume", 1]]
+    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("kind", ["group", "chain", "chord"])
 def test_canvas_members_started_while_the_parent_holds_share_its_epoch(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str

@@ -563,6 +563,21 @@ class FencedTask(Task):  # type: ignore[misc]
                 # callback) runs at this epoch too.
                 setattr(self.request, HEADER, header.to_message())
 
+    def apply(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        *rest: Any,
+        headers: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Run the task here and now (``task_always_eager`` too): from inside a fenced run, with
+        the header a message published there would carry, so that it continues the run as it
+        would on a worker."""
+        headers = dict(headers or {})
+        _add_header(headers)
+        return super().apply(args, kwargs, *rest, headers=headers, **options)
+
     def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The run's arguments by parameter name, defaults included (for the templates)."""
         try:
