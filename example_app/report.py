@@ -104,19 +104,27 @@ def render(snapshot: Snapshot) -> list[str]:
         lines.append("  (none)")
     lines.append("Dispatched schedule slots")
     lines += [
-        f"  {schedule} epoch {epoch} ({holder}): {len(slots)} slots, "
+        f"  {schedule} epoch {epoch} ({holder}): {counted(len(slots), 'slot')}, "
         f"{clock(slots[0].slot)} to {clock(slots[-1].slot)}"
         for (schedule, epoch, holder), slots in _by_epoch(snapshot.dispatches).items()
     ] or ["  (none)"]
     lines.append("Retention plans")
     plans = Counter((p.lease_name, p.epoch) for p in snapshot.plans)
-    lines += [f"  {lease} epoch {epoch}: {count} plans" for (lease, epoch), count in plans.items()]
+    lines += [
+        f"  {lease} epoch {epoch}: {counted(count, 'plan')}"
+        for (lease, epoch), count in plans.items()
+    ]
     due = snapshot.plans[-1].document_ids if snapshot.plans else []
     lines.append(
-        f"  {len(snapshot.plans)} plans; the last lists {len(due)} of "
+        f"  {counted(len(snapshot.plans), 'plan')}; the last lists {len(due)} of "
         f"{snapshot.documents} documents as due; documents are never deleted"
     )
     return lines
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless the count is one."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def _by_epoch(dispatches: Iterable[Dispatch]) -> dict[tuple[str, int, str], list[Dispatch]]:
@@ -158,7 +166,7 @@ def slots_dispatched_once(snapshot: Snapshot) -> Check:
     return _check(
         problems or ([] if snapshot.dispatches else ["no slot was dispatched"]),
         f"each schedule slot dispatched at most once, by its epoch's holder while it held "
-        f"({len(snapshot.dispatches)} slots under epochs {epochs})",
+        f"({counted(len(snapshot.dispatches), 'slot')} under epochs {epochs})",
     )
 
 
@@ -171,7 +179,7 @@ def one_plan_per_slot(snapshot: Snapshot) -> Check:
     ]
     plans = Counter((p.lease_name, p.epoch) for p in scheduled)
     problems = [
-        f"{count} plans for {slots[key]} slots under {key[0]} epoch {key[1]}"
+        f"{counted(count, 'plan')} for {counted(slots[key], 'slot')} under {key[0]} epoch {key[1]}"
         for key, count in plans.items()
         if count > slots[key]
     ]
@@ -182,8 +190,8 @@ def one_plan_per_slot(snapshot: Snapshot) -> Check:
     ]
     return _check(
         problems or ([] if scheduled else ["no retention plan was written"]),
-        f"at most one retention plan per dispatched slot ({len(scheduled)} plans for "
-        f"{len(snapshot.dispatches)} slots)",
+        f"at most one retention plan per dispatched slot ({counted(len(scheduled), 'plan')} for "
+        f"{counted(len(snapshot.dispatches), 'slot')})",
     )
 
 

@@ -493,7 +493,7 @@ def test_plan_check_catches_a_slot_planned_twice(beat_snapshot: report.Snapshot)
     twice = replace(beat_snapshot, plans=[*beat_snapshot.plans, planned(2, "b", 4)])
     check = report.one_plan_per_slot(twice)
     assert not check.ok
-    assert "2 plans for 1 slots under scheduler:example_app epoch 2" in check.text
+    assert "2 plans for 1 slot under scheduler:example_app epoch 2" in check.text
     assert not report.one_plan_per_slot(replace(beat_snapshot, plans=[])).ok
 
 
