@@ -398,7 +398,7 @@ $$;
 -- dispatched by a fenced beat) only shares a lease that is still held, without extending or
 -- releasing it. A newer epoch held by a holder starting with p_delivery_prefix is an earlier
 -- delivery of the continuation's own message: 'held' (or 'paused') while it holds the lease,
--- taken over once it lapsed. Rejections are recorded.
+-- taken over once it expired, stale once released. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
@@ -443,11 +443,12 @@ BEGIN
         v_reason := 'forged';
     ELSIF v_reason IN ('released', 'expired') AND p_mode = 'resume' THEN
         v_reason := NULL;
-    ELSIF v_reason = 'superseded' AND p_mode = 'resume'
+    ELSIF v_reason = 'superseded' AND p_mode = 'resume' AND v_row.released_at IS NULL
         AND starts_with(v_row.holder, nullif(p_delivery_prefix, '')) THEN
         -- The newer epoch was taken by an earlier delivery of this continuation's own message
         -- (redelivered after its worker was lost, or past the broker's visibility timeout): not
-        -- a stale run, but the same work, which the caller waits for or takes over below.
+        -- a stale run, but the same work, which the caller waits for or takes over below once
+        -- it expired. Released, it ran to its end: the work is done, and this one is stale.
         v_reason := NULL;
         v_own := true;
     END IF;

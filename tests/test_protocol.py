@@ -237,7 +237,8 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
 ) -> None:
     """A continuation redelivered after its first delivery took the lease over: that epoch is
     the same work's, so the redelivery is refused while it is held, never recorded as stale,
-    and takes the lease over once it lapsed. Another message with the same header is stale."""
+    and takes the lease over once it expired. Once a delivery released it, the work is done and
+    a later redelivery is stale, as is another message with the same header."""
     parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
     fake_store.release(parent)
     header: dict[str, Any] = {
@@ -275,8 +276,18 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
     took = delivery("child[1]", "host-b")
     assert took.lease is not None
     assert (took.outcome, took.lease.epoch, took.lease.holder) == ("resumed", 3, "child[1]@host-b")
-    assert [(run.stale_holder, run.reason) for run in fake_store.stale_runs()] == [
-        ("parent", "superseded")
+    fake_store.release(took.lease)
+    with pytest.raises(LeaseLostError) as finished:
+        delivery("child[1]", "host-c")
+    assert finished.value.reason == "superseded"
+    owner = fake_store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.holder, owner.state) == (3, "child[1]@host-b", "released")
+    assert [
+        (run.stale_holder, run.reason, run.current_epoch) for run in fake_store.stale_runs()
+    ] == [
+        ("parent", "superseded", 3),
+        ("parent", "superseded", 2),
     ]
 
 

@@ -390,6 +390,26 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     assert store.stale_runs() == []
 
 
+def test_a_task_id_too_long_for_a_holder_names_no_earlier_delivery(fence: Fence) -> None:
+    """A holder keeps 200 characters: cut short, the prefix would name other messages' runs."""
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        pass
+
+    def prefix(task_id: str) -> str | None:
+        publish.push_request(id=task_id, called_directly=False)
+        try:
+            return publish.delivery_prefix()
+        finally:
+            publish.pop_request()
+
+    assert prefix("abc") == f"{publish.name}[abc]@"
+    fits = "x" * (200 - len(f"{publish.name}[]@"))
+    assert prefix(fits) == f"{publish.name}[{fits}]@"
+    assert prefix(fits + "x") is None
+
+
 def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     app: Celery,
     fence: Fence,

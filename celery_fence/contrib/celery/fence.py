@@ -601,10 +601,12 @@ class FencedTask(Task):  # type: ignore[misc]
 
     def delivery_prefix(self) -> str | None:
         """How the holder of every delivery of this very message begins (the same task id, on
-        any host); ``None`` for a direct call."""
+        any host); ``None`` for a direct call, and for a task name and id too long for a holder
+        to keep whole, which would name other messages' runs too."""
         if self.request.called_directly or self.request.id is None:
             return None
-        return f"{self._run_name()}@"[: validation.MAX_NAME_LENGTH]
+        prefix = f"{self._run_name()}@"
+        return prefix if len(prefix) <= validation.MAX_NAME_LENGTH else None
 
     def earlier_delivery(self, owner: Owner) -> bool:
         """Whether ``owner`` is a run of this very message, as a redelivery finds it: with
