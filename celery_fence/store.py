@@ -635,7 +635,8 @@ class LeaseStore:
         A take-over is held by ``successor`` (default ``holder``). A resume that finds a newer
         epoch held by a holder starting with ``delivery_prefix`` (an earlier delivery of the
         continuation's own message) is not stale: ``outcome`` is ``"held"`` (``"paused"``, no
-        lease) while that holder holds the lease, and the lease is taken over once it lapsed.
+        lease) while that holder holds the lease; the lease is taken over once it expired, and the
+        resume is stale once that holder released it.
 
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
         proof does not match; the database records the stale run, under the lease's
