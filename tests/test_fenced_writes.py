@@ -580,6 +580,21 @@ class FencedHolder:
             assert self.commit.wait(WAIT)
 
 
+@contextmanager
+def fenced_writer(
+    store: LeaseStore, lease: Lease, *, workers: int = 1
+) -> Iterator[tuple[FencedHolder, ThreadPoolExecutor]]:
+    """H holding its checked write open on a pool of ``workers`` threads (the others are the
+    block's to use); H commits when the block ends."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        holder = FencedHolder(pool, store, lease)
+        try:
+            yield holder, pool
+        finally:
+            holder.commit.set()
+            holder.done.result(timeout=WAIT)
+
+
 def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
     """A store whose clock reads past the lease's expiry: for it, the lease is free to take."""
     return LeaseStore(
@@ -639,13 +654,10 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
 ) -> None:
     stale = acquire(store, "H")
     late = late_store(protected, lock_timeout=0.2)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        holder = FencedHolder(pool, store, stale)
+    with fenced_writer(store, stale):
         started = time.monotonic()
         got = late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT)
         waited = time.monotonic() - started
-        holder.commit.set()
-        holder.done.result(timeout=WAIT)
     assert (got.outcome, got.lease) == ("busy", None)
     assert got.owner is not None
     assert (got.owner.holder, got.owner.epoch) == ("H", stale.epoch)
@@ -663,15 +675,12 @@ def test_a_renewal_behind_a_fenced_writer_gives_up_after_lock_timeout_and_change
     held = acquire(store, "H")
     other = LeaseStore(protected, lock_timeout=0.2)
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            holder = FencedHolder(pool, store, held)
+        with fenced_writer(store, held):
             started = time.monotonic()
             with pytest.raises(FenceDatabaseError, match="past lock_timeout") as raised:
                 other.renew(held)
             waited = time.monotonic() - started
             kept = store.owner(NAME)
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
         assert 0.2 <= waited < 2
         assert not isinstance(raised.value, LeaseLostError)
         assert other.metrics.get("renew.busy") == 1
@@ -721,11 +730,8 @@ def test_a_resume_behind_a_fenced_writer_answers_busy_and_changes_nothing(
             )
 
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            holder = FencedHolder(pool, store, held)
+        with fenced_writer(store, held):
             outcome, waited = timed_resume(other, held)
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
         assert outcome == "busy"
         assert 0.2 <= waited < 2
         assert other.metrics.get("rejoin.busy") == 1
@@ -753,8 +759,7 @@ def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_time
         first_pid = connection.info.backend_pid
 
     try:
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            holder = FencedHolder(pool, store, held)
+        with fenced_writer(store, held, workers=4) as (holder, pool):
             waiting = pool.submit(timed_resume, first, held)
             assert wait_until_blocked(protected, first_pid) == [holder.pid.result()]
             time.sleep(0.3)  # so that the first gives up well before the later ones would
@@ -763,8 +768,6 @@ def test_resumes_queued_behind_a_fenced_writer_all_answer_busy_within_their_time
                 for future in [pool.submit(timed_resume, other, held) for other in later]
             ]
             answers.append(waiting.result(timeout=WAIT))
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
     finally:
         for other in (first, *later):
             other.dispose()
@@ -780,13 +783,10 @@ def test_a_waiting_acquisition_behind_a_fenced_writer_answers_when_its_time_is_u
     stale = acquire(store, "H")
     late = late_store(protected, lock_timeout=2)
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            holder = FencedHolder(pool, store, stale)
+        with fenced_writer(store, stale):
             started = time.monotonic()
             got = late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT, wait=0.3)
             waited = time.monotonic() - started
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
     finally:
         late.dispose()
     # Its lock wait took what was left of the 0.3 s, not the 2 s lock timeout.
@@ -808,14 +808,11 @@ def test_acquirers_queued_behind_a_fenced_writer_all_answer_busy_within_their_ti
         return got.outcome, time.monotonic() - started
 
     try:
-        with ThreadPoolExecutor(max_workers=4) as pool:
-            holder = FencedHolder(pool, store, stale)
+        with fenced_writer(store, stale, workers=4) as (_, pool):
             answers = [
                 future.result(timeout=WAIT)
                 for future in [pool.submit(attempt, index) for index in range(3)]
             ]
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
     finally:
         for other in late:
             other.dispose()
@@ -832,15 +829,12 @@ def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(
     with late.protocol_connection() as connection:
         late_pid = connection.info.backend_pid
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            holder = FencedHolder(pool, store, stale)
+        with fenced_writer(store, stale, workers=2) as (holder, pool):
             got = pool.submit(late.acquire, NAME, holder="S", ttl=300, environment=ENVIRONMENT)
             # S waits for H's transaction, and for nothing else.
             assert wait_until_blocked(protected, late_pid) == [holder.pid.result()]
             assert not got.done()
-            holder.commit.set()
-            holder.done.result(timeout=WAIT)
-            successor = got.result(timeout=WAIT)
+        successor = got.result(timeout=WAIT)
     finally:
         late.dispose()
     assert successor.outcome == "acquired"
