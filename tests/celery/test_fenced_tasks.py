@@ -6,6 +6,7 @@ in a silent SUCCESS, and its body never runs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import uuid
@@ -19,8 +20,15 @@ from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
-from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FencedTask, FenceHeader, current_run
-from celery_fence.store import proof
+from celery_fence.contrib.celery import (
+    HEADER,
+    REJECTED,
+    SKIPPED,
+    Fence,
+    FencedTask,
+    FenceHeader,
+    current_run,
+)
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -335,26 +343,30 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         return self.holder()
 
     task_id = str(uuid.uuid4())
-    # The earlier delivery's holder, as the task makes it, on another worker.
-    first = f"{publish.name}[{task_id}]@celery@lost-host"
+    # The earlier delivery's run as the task names it (a continuation's with the publication id
+    # its message's header carries), and its holder on another worker.
+    publication = uuid.uuid4().hex
+    run_name = f"{publish.name}[{task_id}]" + (f"#{publication}" if continuation else "")
+    first = f"{run_name}@celery@lost-host"
     headers: dict[str, Any] = {}
     before: list[tuple[int, str]] = []
     if continuation:
         publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
         assert publisher is not None
         store.release(publisher)
-        headers[HEADER] = FenceHeader.for_lease(publisher, "resume").to_message()
+        header = FenceHeader.for_lease(publisher, "resume")
+        headers[HEADER] = dataclasses.replace(header, publication=publication).to_message()
         before = [(1, "publisher@test")]
         lease = store.rejoin(
             NAME,
             epoch=publisher.epoch,
             holder=publisher.holder,
             mode="resume",
-            proof=proof(publisher, "resume"),
+            proof=header.proof,
             ttl=60,
             action="start publish",
             successor=first,
-            delivery_prefix=f"{publish.name}[{task_id}]@",
+            delivery_prefix=f"{run_name}@",
         ).lease
     else:
         lease = store.acquire(NAME, holder=first, ttl=60).lease
@@ -375,7 +387,7 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     history = store.history(NAME)
     if earlier == "lost":
         assert len(runs) == 1
-        assert result.result.startswith(f"{publish.name}[{task_id}]@")
+        assert result.result.startswith(f"{run_name}@")
         assert [(entry.epoch, entry.holder) for entry in history] == [
             (epoch + 1, result.result),
             (epoch, first),
@@ -388,6 +400,54 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         assert result.info["owner_holder"] == first
         assert fence.store.metrics.get("busy.skip") == 1
     assert store.stale_runs() == []
+
+
+def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Retries share their task's id, not their message's publication id: a continuation whose
+    publisher's epoch was taken over by another message of its task id (a retry sent by a run
+    that was superseded, say) is stale, not that message's redelivery."""
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        pass
+
+    task_id = str(uuid.uuid4())
+    publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
+    assert publisher is not None
+    store.release(publisher)
+    header = FenceHeader.for_lease(publisher, "resume")
+    taken, message = ({**header.to_message(), "publication": uuid.uuid4().hex} for _ in range(2))
+    # The other message took the lease over, named as the task names its run on another worker.
+    publish.push_request(
+        id=task_id, called_directly=False, hostname="celery@other-host", headers={HEADER: taken}
+    )
+    try:
+        took = fence.store.rejoin(
+            NAME,
+            epoch=publisher.epoch,
+            holder=publisher.holder,
+            mode="resume",
+            proof=header.proof,
+            ttl=60,
+            action="start publish",
+            successor=publish.holder(),
+            delivery_prefix=publish.delivery_prefix(),
+        )
+    finally:
+        publish.pop_request()
+    assert took.lease is not None
+    with worker():
+        result = publish.apply_async(("prod",), task_id=task_id, headers={HEADER: message})
+        assert wait.finished(result) == REJECTED
+
+    assert result.info["reason"] == "superseded"
+    [stale] = store.stale_runs()
+    assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.holder, owner.state) == (2, took.lease.holder, "held")
 
 
 def test_a_task_id_too_long_for_a_holder_names_no_earlier_delivery(fence: Fence) -> None:

@@ -10,6 +10,7 @@ and the stale run is recorded.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -116,9 +117,13 @@ def test_child_on_the_parent_lease_continues_the_run(
     history = store.history(NAME)
     assert [entry.epoch for entry in history] == epochs
     assert {entry.end_reason for entry in history} == {"released"}
-    # The parent's epoch is held in its name; a take-over goes on in the child's.
+    # The parent's epoch is held in its name; a take-over goes on in the child's, with the
+    # publication id of the child's message.
     assert history[-1].holder == holder
-    assert all(entry.holder.startswith(f"{child.name}[{child_id}]@") for entry in history[:-1])
+    assert all(
+        re.match(rf"{re.escape(child.name)}\[{child_id}\]#[0-9a-f]{{32}}@", entry.holder)
+        for entry in history[:-1]
+    )
     assert [owner.name for owner in store.leases()] == [NAME]
     assert store.stale_runs() == []
 
@@ -269,7 +274,10 @@ def test_retry_after_the_run_ended_takes_the_lease_over(
         (2, "released"),
         (1, "released"),
     ]
-    assert history[0].holder == history[1].holder
+    # The retry took over in the first run's name (the same task id, on the same worker), with
+    # the publication id of the retry's message.
+    first, _, host = history[1].holder.partition("@")
+    assert re.fullmatch(rf"{re.escape(first)}#[0-9a-f]{{32}}@{re.escape(host)}", history[0].holder)
     owner = store.owner(NAME)
     assert owner is not None
     assert (owner.epoch, owner.state) == (2, "released")
@@ -422,6 +430,7 @@ MALFORMED: dict[str, Callable[[Lease], object]] = {
     "holder not a holder": lambda lease: malformed(lease, holder=f" {lease.holder} "),
     "unknown mode": lambda lease: malformed(lease, mode="steal"),
     "proof not hex": lambda lease: malformed(lease, proof="z" * 64),
+    "publication not hex": lambda lease: malformed(lease, publication="z" * 32),
     "not a mapping": lambda lease: f"{lease.name}@{lease.epoch}",
 }
 

@@ -10,6 +10,7 @@ a definite "not yours" until the lease's deadline.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -321,8 +322,12 @@ def test_a_plain_task_passes_on_resume_headers_only(
 
     [entry] = store.history(NAME)
     if mode == "resume":
-        # It joined the held lease it continues, and left it held.
-        assert seen == [[header, "resume", 1]]
+        # It joined the held lease it continues, and left it held. It was sent the header the
+        # plain task received, as a message of its own: with a publication id.
+        [[received, run_mode, epoch]] = seen
+        assert (run_mode, epoch) == ("resume", 1)
+        assert {key: value for key, value in received.items() if key != "publication"} == header
+        assert re.fullmatch("[0-9a-f]{32}", received["publication"])
         assert (entry.holder, entry.end_reason) == (HOLDER, None)
     else:
         # It took the lease itself.

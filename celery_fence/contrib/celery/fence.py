@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
-from .headers import HEADER, FenceHeader, MalformedHeaderError
+from .headers import HEADER, FenceHeader, MalformedHeaderError, publication_of
 from .settings import FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
@@ -154,7 +155,7 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
     if headers is None:
         return
     run = _current.get()
-    value: object | None = None
+    value: Mapping[str, Any] | None = None
     if run is not None:
         # Nothing a run publishes waits for an earlier delivery, its own retries included.
         headers.pop(WAITING, None)
@@ -165,12 +166,15 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
             headers.pop(HEADER, None)
             return
         value = header.to_message()
-    elif current_task:
+    elif current_task and HEADER not in headers:
+        # A retry of a refused delivery copies the header it came with, publication included:
+        # it is the same message, sent again.
         inherited = _header_of(current_task.request)
         if isinstance(inherited, Mapping) and inherited.get("mode") == "resume":
             value = inherited
     if value is not None:
-        headers[HEADER] = value
+        # A new message: a publication id of its own, which its redeliveries keep.
+        headers[HEADER] = {**value, "publication": uuid.uuid4().hex}
 
 
 signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celery_fence.header")
@@ -597,7 +601,11 @@ class FencedTask(Task):  # type: ignore[misc]
         return f"{self._run_name()}@{host}"[: validation.MAX_NAME_LENGTH]
 
     def _run_name(self) -> str:
-        return f"{self.name}[{self.request.id or 'direct'}]"
+        """The task and its id, and for a message published from a fenced run the publication
+        id its header carries: retries share the task id, not the publication."""
+        publication = publication_of((self.request.headers or {}).get(HEADER))
+        suffix = "" if publication is None else f"#{publication}"
+        return f"{self.name}[{self.request.id or 'direct'}]{suffix}"
 
     def delivery_prefix(self) -> str | None:
         """How the holder of every delivery of this very message begins (the same task id, on

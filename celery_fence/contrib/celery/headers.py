@@ -2,7 +2,9 @@
 
 The header carries the lease name, epoch, holder, mode and a proof: HMAC-SHA256 keyed by the
 lease's secret token over those fields. The token itself never travels; the worker checks the
-proof in the database (``celery_fence.rejoin``).
+proof in the database (``celery_fence.rejoin``). A header published from a run also carries a
+``publication`` id, new for each message sent, which tells a redelivery of that message from
+another message of the same task id (a retry).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from celery_fence.store import Mode, proof
 
 HEADER = "celery_fence"
 _PROOF = re.compile(r"^[0-9a-f]{64}$")
+_PUBLICATION = re.compile(r"^[0-9a-f]{32}$")
 
 
 class MalformedHeaderError(ConfigurationError):
@@ -37,6 +40,7 @@ class FenceHeader:
     holder: str
     mode: Mode
     proof: str
+    publication: str | None = None
 
     @classmethod
     def for_lease(cls, lease: Lease, mode: Mode) -> FenceHeader:
@@ -49,13 +53,16 @@ class FenceHeader:
         )
 
     def to_message(self) -> dict[str, Any]:
-        return {
+        message = {
             "lease": self.lease,
             "epoch": self.epoch,
             "holder": self.holder,
             "mode": self.mode,
             "proof": self.proof,
         }
+        if self.publication is not None:
+            message["publication"] = self.publication
+        return message
 
     @classmethod
     def from_message(cls, value: object) -> FenceHeader:
@@ -73,6 +80,7 @@ class FenceHeader:
                 holder=validation.check_holder(value.get("holder")),
                 mode=cast(Mode, validation.check_choice(value.get("mode"), "mode", get_args(Mode))),
                 proof=_check_proof(value.get("proof")),
+                publication=_check_publication(value.get("publication")),
             )
         except ConfigurationError as exc:
             # What can be read is recorded with the rejection; anything a lease name or holder
@@ -88,3 +96,19 @@ def _check_proof(value: object) -> str:
     if not isinstance(value, str) or not _PROOF.match(value):
         raise ConfigurationError("proof must be 64 lowercase hex digits")
     return value
+
+
+def _check_publication(value: object) -> str | None:
+    if value is not None and (not isinstance(value, str) or not _PUBLICATION.match(value)):
+        raise ConfigurationError("publication must be 32 lowercase hex digits")
+    return value
+
+
+def publication_of(value: object) -> str | None:
+    """The publication id of header ``value``, if it has a well-formed one."""
+    if not isinstance(value, Mapping):
+        return None
+    try:
+        return _check_publication(value.get("publication"))
+    except ConfigurationError:
+        return None
