@@ -6,7 +6,6 @@ in a silent SUCCESS, and its body never runs.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import threading
 import uuid
@@ -19,7 +18,7 @@ from celery import Celery, Task, chord, states
 from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
-from celery_fence import ConfigurationError, LeaseHeldError, LeaseStore
+from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeaseStore
 from celery_fence.contrib.celery import (
     HEADER,
     REJECTED,
@@ -316,6 +315,37 @@ EARLIER_DELIVERY = [
 ]
 
 
+def taken_over_from_a_publisher(
+    store: LeaseStore, task: FencedTask, task_id: str, publication: str, hostname: str
+) -> tuple[dict[str, Any], Lease]:
+    """A publisher's lease, released, then taken over by a delivery of ``task`` sent with the
+    publisher's header and ``publication``, named as the task names that delivery's run on
+    ``hostname``: the header, and the lease the take-over holds."""
+    publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
+    assert publisher is not None
+    store.release(publisher)
+    header = {**FenceHeader.for_lease(publisher, "resume").to_message(), "publication": publication}
+    task.push_request(
+        id=task_id, called_directly=False, hostname=hostname, headers={HEADER: header}
+    )
+    try:
+        got = store.rejoin(
+            NAME,
+            epoch=publisher.epoch,
+            holder=publisher.holder,
+            mode="resume",
+            proof=header["proof"],
+            ttl=60,
+            action=f"start {task.name}",
+            successor=task.holder(),
+            delivery_prefix=task.delivery_prefix(),
+        )
+    finally:
+        task.pop_request()
+    assert got.lease is not None
+    return header, got.lease
+
+
 @pytest.mark.parametrize("continuation", [False, True], ids=["a first run", "a continuation"])
 @pytest.mark.parametrize(("earlier", "end"), EARLIER_DELIVERY)
 def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end(
@@ -343,35 +373,20 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         return self.holder()
 
     task_id = str(uuid.uuid4())
-    # The earlier delivery's run as the task names it (a continuation's with the publication id
-    # its message's header carries), and its holder on another worker.
-    publication = uuid.uuid4().hex
-    run_name = f"{publish.name}[{task_id}]" + (f"#{publication}" if continuation else "")
-    first = f"{run_name}@celery@lost-host"
     headers: dict[str, Any] = {}
     before: list[tuple[int, str]] = []
     if continuation:
-        publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
-        assert publisher is not None
-        store.release(publisher)
-        header = FenceHeader.for_lease(publisher, "resume")
-        headers[HEADER] = dataclasses.replace(header, publication=publication).to_message()
+        headers[HEADER], lease = taken_over_from_a_publisher(
+            store, publish, task_id, uuid.uuid4().hex, "celery@lost-host"
+        )
         before = [(1, "publisher@test")]
-        lease = store.rejoin(
-            NAME,
-            epoch=publisher.epoch,
-            holder=publisher.holder,
-            mode="resume",
-            proof=header.proof,
-            ttl=60,
-            action="start publish",
-            successor=first,
-            delivery_prefix=f"{run_name}@",
-        ).lease
     else:
-        lease = store.acquire(NAME, holder=first, ttl=60).lease
+        # The earlier delivery's holder, as the task makes it, on another worker.
+        lease = store.acquire(
+            NAME, holder=f"{publish.name}[{task_id}]@celery@lost-host", ttl=60
+        ).lease
     assert lease is not None
-    epoch = lease.epoch
+    epoch, first = lease.epoch, lease.holder
     with worker():
         result = publish.apply_async(("prod",), task_id=task_id, headers=headers)
         wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
@@ -387,7 +402,8 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     history = store.history(NAME)
     if earlier == "lost":
         assert len(runs) == 1
-        assert result.result.startswith(f"{run_name}@")
+        # The same task id, and for a continuation the same publication.
+        assert result.result.partition("@")[0] == first.partition("@")[0]
         assert [(entry.epoch, entry.holder) for entry in history] == [
             (epoch + 1, result.result),
             (epoch, first),
@@ -414,30 +430,10 @@ def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(
         pass
 
     task_id = str(uuid.uuid4())
-    publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
-    assert publisher is not None
-    store.release(publisher)
-    header = FenceHeader.for_lease(publisher, "resume")
-    taken, message = ({**header.to_message(), "publication": uuid.uuid4().hex} for _ in range(2))
-    # The other message took the lease over, named as the task names its run on another worker.
-    publish.push_request(
-        id=task_id, called_directly=False, hostname="celery@other-host", headers={HEADER: taken}
+    taken, lease = taken_over_from_a_publisher(
+        store, publish, task_id, uuid.uuid4().hex, "celery@other-host"
     )
-    try:
-        took = fence.store.rejoin(
-            NAME,
-            epoch=publisher.epoch,
-            holder=publisher.holder,
-            mode="resume",
-            proof=header.proof,
-            ttl=60,
-            action="start publish",
-            successor=publish.holder(),
-            delivery_prefix=publish.delivery_prefix(),
-        )
-    finally:
-        publish.pop_request()
-    assert took.lease is not None
+    message = {**taken, "publication": uuid.uuid4().hex}
     with worker():
         result = publish.apply_async(("prod",), task_id=task_id, headers={HEADER: message})
         assert wait.finished(result) == REJECTED
@@ -447,7 +443,7 @@ def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(
     assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
     owner = store.owner(NAME)
     assert owner is not None
-    assert (owner.epoch, owner.holder, owner.state) == (2, took.lease.holder, "held")
+    assert (owner.epoch, owner.holder, owner.state) == (2, lease.holder, "held")
 
 
 def test_a_task_id_too_long_for_a_holder_names_no_earlier_delivery(fence: Fence) -> None:
