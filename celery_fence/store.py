@@ -673,9 +673,17 @@ class LeaseStore:
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(name, epoch, holder, row, action, enforce)
-        return Acquisition(
-            outcome=row["outcome"], lease=self._lease(row, started, ttl_seconds), owner=_owner(row)
-        )
+        lease = self._lease(row, started, ttl_seconds)
+        if row["outcome"] == "resumed":
+            log.info(
+                "lease %s taken over by %s at epoch %d, continuing epoch %d",
+                name,
+                lease.holder,
+                lease.epoch,
+                epoch,
+                extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
+            )
+        return Acquisition(outcome=row["outcome"], lease=lease, owner=_owner(row))
 
     @contextmanager
     def guard(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import logging
 import multiprocessing
 import os
 import time
@@ -233,12 +234,13 @@ def test_a_rejoin_of_a_lease_that_does_not_exist_is_recorded_in_the_callers_envi
 
 
 def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over_once_lapsed(
-    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A continuation redelivered after its first delivery took the lease over: that epoch is
     the same work's, so the redelivery is refused while it is held, never recorded as stale,
     and takes the lease over once it expired. Once a delivery released it, the work is done and
     a later redelivery is stale, as is another message with the same header."""
+    caplog.set_level(logging.INFO, logger="celery_fence")
     parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
     fake_store.release(parent)
     header: dict[str, Any] = {
@@ -288,6 +290,10 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
     ] == [
         ("parent", "superseded", 3),
         ("parent", "superseded", 2),
+    ]
+    assert [m for m in caplog.messages if "taken over" in m] == [
+        f"lease {NAME} taken over by child[1]@host-a at epoch 2, continuing epoch 1",
+        f"lease {NAME} taken over by child[1]@host-b at epoch 3, continuing epoch 1",
     ]
 
 
