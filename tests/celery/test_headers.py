@@ -431,6 +431,8 @@ MALFORMED: dict[str, Callable[[Lease], object]] = {
     "unknown mode": lambda lease: malformed(lease, mode="steal"),
     "proof not hex": lambda lease: malformed(lease, proof="z" * 64),
     "publication not hex": lambda lease: malformed(lease, publication="z" * 32),
+    "publication ending in a newline": lambda lease: malformed(lease, publication="a" * 32 + "\n"),
+    "proof ending in a newline": lambda lease: malformed(lease, proof="a" * 64 + "\n"),
     "not a mapping": lambda lease: f"{lease.name}@{lease.epoch}",
 }
 

@@ -20,8 +20,8 @@ from celery_fence.models import Lease
 from celery_fence.store import Mode, proof
 
 HEADER = "celery_fence"
-_PROOF = re.compile(r"^[0-9a-f]{64}$")
-_PUBLICATION = re.compile(r"^[0-9a-f]{32}$")
+_PROOF = re.compile("[0-9a-f]{64}")
+_PUBLICATION = re.compile("[0-9a-f]{32}")
 
 
 class MalformedHeaderError(ConfigurationError):
@@ -93,13 +93,13 @@ class FenceHeader:
 
 
 def _check_proof(value: object) -> str:
-    if not isinstance(value, str) or not _PROOF.match(value):
+    if not isinstance(value, str) or not _PROOF.fullmatch(value):
         raise ConfigurationError("proof must be 64 lowercase hex digits")
     return value
 
 
 def _check_publication(value: object) -> str | None:
-    if value is not None and (not isinstance(value, str) or not _PUBLICATION.match(value)):
+    if value is not None and (not isinstance(value, str) or not _PUBLICATION.fullmatch(value)):
         raise ConfigurationError("publication must be 32 lowercase hex digits")
     return value
 
