@@ -658,9 +658,7 @@ class LeaseStore:
             "enforced": enforce,
             "now": self._now(),
             "lock_timeout": self.lock_timeout,
-            "environment": None
-            if environment is None
-            else validation.check_environment(environment),
+            "environment": self._optional_environment(environment),
             "successor": None if successor is None else validation.check_holder(successor),
             "delivery_prefix": delivery_prefix or None,
         }
@@ -911,7 +909,7 @@ class LeaseStore:
 
     def leases(self, environment: str | None = None) -> list[Owner]:
         rows = self._rows(
-            "leases", {"environment": self._environment_filter(environment), "now": self._now()}
+            "leases", {"environment": self._optional_environment(environment), "now": self._now()}
         )
         return [owner for row in rows if (owner := _owner(row)) is not None]
 
@@ -922,7 +920,7 @@ class LeaseStore:
         rows = self._rows(
             "stale_runs",
             {
-                "environment": self._environment_filter(environment),
+                "environment": self._optional_environment(environment),
                 "lease_name": None if lease_name is None else validation.check_name(lease_name),
                 "limit": self._limit(limit),
             },
@@ -948,7 +946,7 @@ class LeaseStore:
         )
 
     @staticmethod
-    def _environment_filter(environment: str | None) -> str | None:
+    def _optional_environment(environment: str | None) -> str | None:
         return None if environment is None else validation.check_environment(environment)
 
     def _ttl(self, ttl: float) -> float:

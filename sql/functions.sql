@@ -462,7 +462,7 @@ BEGIN
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
-    IF v_own AND (v_row.paused OR (v_row.released_at IS NULL AND v_row.expires_at > v_now)) THEN
+    IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an
         -- acquirer would be, and nothing is recorded.
         RETURN celery_fence.answer_of(
