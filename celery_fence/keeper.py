@@ -56,6 +56,7 @@ class LeaseKeeper:
         self.lost = threading.Event()
         self.error: LeaseLostError | None = None
         self._stopped = False
+        self._failure: Exception | None = None  # the last renewal's error, until one succeeds
         self._lock = threading.Lock()
         self._renewing = threading.Lock()
 
@@ -95,22 +96,20 @@ class LeaseKeeper:
             if self._stopped:
                 return None
             lease = self.lease
+            # Past the deadline the work counts the lease lost: a renewal now would bring it
+            # back after the work saw it gone.
+            if not lease.trusted:
+                self._lose_to_deadline(lease)
+                return None
             try:
                 renewed = self._refresh(lease)
             except LeaseLostError as exc:
                 self._lose(exc)
                 return None
             except Exception as exc:  # anything but a definite "not yours" is ridden out
+                self._failure = exc
                 if not lease.trusted:
-                    self._lose(
-                        LeaseLostError(
-                            f"lease {lease.name} epoch {lease.epoch} passed its deadline "
-                            f"while renewal kept failing: {exc}",
-                            lease_name=lease.name,
-                            epoch=lease.epoch,
-                            reason="expired",
-                        )
-                    )
+                    self._lose_to_deadline(lease)
                     return None
                 wait = retry_after_failure(lease, self.interval)
                 log.warning(
@@ -121,9 +120,25 @@ class LeaseKeeper:
                     extra={"lease": lease.name, "epoch": lease.epoch},
                 )
                 return wait
+            self._failure = None
             with self._lock:
                 self._lease = renewed
             return next_attempt(renewed, self.interval)
+
+    def _lose_to_deadline(self, lease: Lease) -> None:
+        why = (
+            "before it could be renewed"
+            if self._failure is None
+            else f"while renewal kept failing: {self._failure}"
+        )
+        self._lose(
+            LeaseLostError(
+                f"lease {lease.name} epoch {lease.epoch} passed its deadline {why}",
+                lease_name=lease.name,
+                epoch=lease.epoch,
+                reason="expired",
+            )
+        )
 
     def _lose(self, error: LeaseLostError) -> None:
         self.error = error

@@ -454,6 +454,29 @@ def test_keeper_rides_out_an_unexpected_error_until_the_deadline(
     assert "the renewal connection broke" in str(keeper.error)
 
 
+def test_keeper_does_not_renew_a_lease_past_its_deadline(
+    store: LeaseStore, short_lease: Callable[[float], Lease]
+) -> None:
+    """An attempt that comes after the deadline (a retry of a failed renewal, say) ends the
+    lease instead of bringing it back: the work saw it lost, and it stays lost."""
+    lease = short_lease(0)
+    refreshed: list[Lease] = []
+
+    def refresh(current: Lease) -> Lease:
+        refreshed.append(current)
+        return store.renew(current)
+
+    keeper = LeaseKeeper(lease, refresh, interval=10)
+
+    assert keeper.renew_once() is None
+    assert refreshed == []
+    assert keeper.lost.is_set()
+    assert not keeper.held
+    assert keeper.error is not None
+    assert (keeper.error.reason, keeper.error.epoch) == ("expired", lease.epoch)
+    assert "passed its deadline" in str(keeper.error)
+
+
 def test_keeper_renews_its_own_lease_every_interval_and_a_shared_one_before_its_trust_ends(
     store: LeaseStore, short_lease: Callable[[float], Lease]
 ) -> None:
