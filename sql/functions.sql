@@ -550,9 +550,9 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.history(p_name text, p_now timestamptz DEFAULT NULL)
 RETURNS SETOF celery_fence.lease_history LANGUAGE sql STABLE AS $$
     SELECT l.name, l.epoch, l.environment, l.holder, l.purpose, l.acquired_at,
-           CASE WHEN l.expires_at <= coalesce(p_now, now()) THEN l.expires_at END,
-           CASE WHEN l.expires_at <= coalesce(p_now, now()) THEN 'expired' END
-    FROM celery_fence.leases l
+           CASE WHEN l.expires_at <= c.now THEN l.expires_at END,
+           CASE WHEN l.expires_at <= c.now THEN 'expired' END
+    FROM celery_fence.leases l, (SELECT coalesce(p_now, clock_timestamp()) AS now) c
     WHERE l.name = p_name AND l.epoch > 0 AND l.released_at IS NULL
     UNION ALL
     SELECT h.* FROM celery_fence.lease_history h WHERE h.name = p_name

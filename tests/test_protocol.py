@@ -328,6 +328,33 @@ def test_history_records_each_epoch_and_how_it_ended(
     assert [e.epoch for e in fake_store.history(NAME, limit=1)] == [3]
 
 
+def test_history_judges_expiry_by_the_clock_as_owner_does(engine: Engine) -> None:
+    """Called from psql inside a transaction, history() reads the clock, not the transaction's
+    start: an epoch that owner() calls expired is not shown as still running."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("SELECT celery_fence.acquire(:n, 'prod', 'ops@psql', interval '1 hour')"),
+            {"n": NAME},
+        )
+        # Age the row in SQL: it expired after this transaction started, before this statement.
+        conn.execute(sa.text("SELECT pg_sleep(0.001)"))
+        conn.execute(
+            sa.text(
+                "UPDATE celery_fence.leases"
+                " SET expires_at = now() + (clock_timestamp() - now()) / 2 WHERE name = :n"
+            ),
+            {"n": NAME},
+        )
+        state = conn.execute(
+            sa.text("SELECT state FROM celery_fence.owner(:n)"), {"n": NAME}
+        ).scalar_one()
+        ended = conn.execute(
+            sa.text("SELECT epoch, end_reason FROM celery_fence.history(:n)"), {"n": NAME}
+        ).one()
+    assert state == "expired"
+    assert tuple(ended) == (1, "expired")
+
+
 # -- pause / resume ---------------------------------------------------------------------------
 
 
