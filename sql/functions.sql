@@ -76,6 +76,14 @@ RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
     SELECT hashtextextended(p_name, 7161677110969590627)
 $$;
 
+-- A span as a number of seconds ('1 day' becomes '24:00:00'): added to a time, it then moves it by
+-- that many seconds also where the session's time zone changes to or from daylight saving time,
+-- instead of to the same time on another calendar day.
+CREATE OR REPLACE FUNCTION celery_fence.span(p_span interval)
+RETURNS interval LANGUAGE sql IMMUTABLE AS $$
+    SELECT make_interval(secs => extract(epoch FROM p_span))
+$$;
+
 -- A span as a timeout setting takes it: whole milliseconds rounded up, at least 1 (0 would mean
 -- "no timeout", also for a span already used up) and at most the settings' largest value.
 CREATE OR REPLACE FUNCTION celery_fence.timeout_ms(p_span interval)
@@ -138,7 +146,8 @@ DECLARE
     v_now timestamptz;
     v_waited_from timestamptz;
     v_seen bigint;
-    v_hold interval := coalesce(p_max_hold, greatest(p_ttl, interval '1 day'));
+    v_ttl interval := celery_fence.span(p_ttl);
+    v_hold interval := celery_fence.span(coalesce(p_max_hold, greatest(p_ttl, interval '1 day')));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
     -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
@@ -192,7 +201,7 @@ BEGIN
                 token = gen_random_uuid(),
                 acquired_at = v_now,
                 renewed_at = v_now,
-                expires_at = v_now + p_ttl,
+                expires_at = v_now + v_ttl,
                 hold_until = v_now + v_hold,
                 released_at = NULL,
                 sharers = 1
@@ -214,7 +223,7 @@ BEGIN
                 acquired_at, renewed_at, expires_at, hold_until
             ) VALUES (
                 p_name, p_environment, p_holder, coalesce(p_purpose, ''), 1, gen_random_uuid(),
-                v_now, v_now, v_now + p_ttl, v_now + v_hold
+                v_now, v_now, v_now + v_ttl, v_now + v_hold
             )
             ON CONFLICT (name) DO NOTHING
             RETURNING l.* INTO v_new;
@@ -257,7 +266,9 @@ BEGIN
        AND v_row.expires_at > v_now THEN
         UPDATE celery_fence.leases AS l SET
             renewed_at = v_now,
-            expires_at = greatest(l.expires_at, least(v_now + p_ttl, l.hold_until))
+            expires_at = greatest(
+                l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until)
+            )
         WHERE l.name = p_name
         RETURNING l.* INTO v_row;
         RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
@@ -483,7 +494,9 @@ BEGIN
     UPDATE celery_fence.leases AS l SET
         renewed_at = v_now,
         sharers = l.sharers + 1,
-        expires_at = greatest(l.expires_at, least(v_now + p_ttl, l.hold_until))
+        expires_at = greatest(
+            l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until)
+        )
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
     RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);

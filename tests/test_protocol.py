@@ -38,7 +38,7 @@ from celery_fence import (
     StaleEpochError,
     _sql,
 )
-from celery_fence.store import proof
+from celery_fence.store import engine_from_url, proof
 
 START = datetime(2030, 1, 1, tzinfo=timezone.utc)
 NAME = "release:prod"
@@ -295,6 +295,53 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
         f"lease {NAME} taken over by child[1]@host-a at epoch 2, continuing epoch 1",
         f"lease {NAME} taken over by child[1]@host-b at epoch 3, continuing epoch 1",
     ]
+
+
+@pytest.fixture
+def berlin_store(database_url: str, clock: Callable[[], datetime]) -> Iterator[LeaseStore]:
+    """A store whose sessions run in a time zone with daylight saving time."""
+    engine = engine_from_url(database_url, connect_args={"options": "-c TimeZone=Europe/Berlin"})
+    yield LeaseStore(engine, clock=clock, max_ttl=86400)
+    engine.dispose()
+
+
+def test_spans_are_seconds_across_a_daylight_saving_change(berlin_store: LeaseStore) -> None:
+    """A TTL and a hold window are spans of seconds, also where the session's time zone skips an
+    hour: a day's hold ends 24 hours later, not at the same time on the next calendar day."""
+    before_the_change = datetime(2026, 3, 28, 2, tzinfo=timezone.utc)  # 03:00 in Berlin
+    with freeze_time(before_the_change, ignore=["_pytest.timing"]) as frozen:
+        # No max_hold: a day's hold.
+        day = held(berlin_store.acquire(NAME, holder="a", ttl=3600, environment="prod"))
+        assert seconds_between(day.acquired_at, berlin_store.owner(NAME)) == 86400
+        berlin_store.release(day)
+
+        parent = held(
+            berlin_store.acquire(
+                NAME, holder="parent", ttl=3600, max_hold=88200, environment="prod"
+            )
+        )
+        frozen.tick(timedelta(minutes=70))
+        taken = berlin_store.rejoin(
+            NAME,
+            epoch=parent.epoch,
+            holder="parent",
+            mode="resume",
+            proof=proof(parent, "resume"),
+            ttl=86400,
+            action="start child",
+        )
+    assert taken.lease is not None
+    assert (taken.outcome, taken.lease.epoch) == ("resumed", parent.epoch + 1)
+    assert seconds_between(taken.lease.acquired_at, berlin_store.owner(NAME)) == 88200
+
+
+def seconds_between(acquired_at: datetime, owner: Owner | None) -> float:
+    """The real seconds from ``acquired_at`` to the lease's hold limit. (Python subtracts two
+    times of one time zone by their wall clocks, so both are taken to UTC first.)"""
+    assert owner is not None
+    return (
+        owner.hold_until.astimezone(timezone.utc) - acquired_at.astimezone(timezone.utc)
+    ).total_seconds()
 
 
 def test_history_records_each_epoch_and_how_it_ended(
