@@ -15,6 +15,8 @@ MAX_HOLD_SECONDS = 7 * 86_400.0
 #: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
 #: default of ``celery_fence.acquire``).
 DEFAULT_MAX_HOLD_SECONDS = 86_400.0
+#: The shortest span of seconds: PostgreSQL keeps times and intervals to the microsecond.
+RESOLUTION_SECONDS = 1e-6
 #: The largest epoch: epochs are PostgreSQL ``bigint``s.
 MAX_EPOCH = 2**63 - 1
 
@@ -77,6 +79,9 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
         raise ConfigurationError(f"{what} must be finite, got {value!r}")
     if seconds <= minimum:
         raise ConfigurationError(f"{what} must be greater than {minimum:g} seconds, got {value!r}")
+    if seconds < RESOLUTION_SECONDS:
+        # The database keeps microseconds: a shorter span would reach it as zero.
+        raise ConfigurationError(f"{what} must be at least a microsecond, got {value!r}")
     if seconds > maximum:
         raise ConfigurationError(f"{what} must be at most {maximum:g} seconds, got {value!r}")
     return seconds

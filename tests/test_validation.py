@@ -30,6 +30,7 @@ BAD_TEXT = {
 BAD_SECONDS = {
     "zero": 0,
     "negative": -1,
+    "below a microsecond": 1e-7,
     "nan": math.nan,
     "inf": math.inf,
     "bool": True,
