@@ -843,7 +843,8 @@ class LeaseStore:
         """
         params = {
             "schedule": lease.name,
-            "entry": validation.check_text(entry, "entry", max_length=validation.MAX_TEXT_LENGTH),
+            # Short enough for the action below to name it whole.
+            "entry": validation.check_text(entry, "entry", max_length=validation.MAX_NAME_LENGTH),
             "slot": slot,
             "task": validation.check_text(task, "task", max_length=validation.MAX_TEXT_LENGTH),
             "epoch": lease.epoch,
