@@ -80,9 +80,12 @@ class LeaseKeeper:
         return self._stopped
 
     def stop(self) -> None:
-        """No renewal after this returns (one in flight is waited for)."""
+        """No renewal after this returns (one in flight is waited for). The keeper counts as
+        stopped before that wait, so that a signal interrupting it (a task's soft time limit)
+        cannot leave it renewing."""
+        self._stopped = True
         with self._renewing:
-            self._stopped = True
+            pass
 
     def __enter__(self) -> LeaseKeeper:
         return self.start()

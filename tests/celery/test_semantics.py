@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -606,3 +607,42 @@ def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
     assert not keeper.lost.is_set()
     assert (renewed.epoch, renewed.token) == (lease.epoch, lease.token)
     assert renewed.deadline > lease.deadline
+
+
+class Interrupted(Exception):
+    """What a signal handler raises in the task's thread (as Celery's soft time limit does)."""
+
+
+@pytest.mark.usefixtures("renewals")
+def test_a_keeper_whose_stop_is_interrupted_while_a_renewal_waits_is_still_stopped(
+    store: LeaseStore, manifest: Engine, wait: Wait
+) -> None:
+    """``stop()`` waits for a renewal in flight; a signal (a soft time limit) that interrupts
+    that wait must not leave the keeper renewing a lease whose run has ended."""
+    lease = take(store, name="keeper:interrupted")
+    started: list[Lease] = []
+
+    def refresh(current: Lease) -> Lease:
+        started.append(current)
+        return store.renew(current)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    keeper = LeaseKeeper(lease, refresh, interval=0.05)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with manifest.begin() as conn:
+            with store.guard(lease, conn, action="publish manifest"):
+                conn.execute(INSERT, {"environment": "prod", "release": 1})
+            # The lease's row stays locked FOR SHARE: the renewal waits for it.
+            keeper.start()
+            wait.until(lambda: bool(started), what="a renewal in flight")
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            with pytest.raises(Interrupted):
+                keeper.stop()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert keeper.stopped
+    assert keeper.renew_once() is None
