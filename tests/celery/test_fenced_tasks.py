@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery, Task, chord, states
+from celery import Celery, Task, chain, chord, states
 from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
@@ -474,6 +474,8 @@ def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     store: LeaseStore,
     wait: Wait,
 ) -> None:
+    """Directly, or as the first task of a chain that is a part: a refused task's chain links
+    never run, so the chain's last link, which the chord waits for, fails with it."""
     publish = probe(on_busy="skip")
     collected: list[Any] = []
 
@@ -481,15 +483,22 @@ def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     def collect(parts: list[Any]) -> None:
         collected.append(parts)
 
+    @app.task(shared=False)
+    def then(value: object) -> object:
+        return value
+
     epoch = hold(store, NAME)
     with worker():
-        result = chord([publish.task.si("prod"), publish.task.si("prod")], collect.s()).delay()
+        result = chord(
+            [publish.task.si("prod"), chain(publish.task.si("prod"), then.s())], collect.s()
+        ).delay()
         assert wait.finished(result) == states.FAILURE
-        parts = [app.AsyncResult(part.id) for part in result.parent.results]
+        direct, chained = result.parent.results
+        parts = [app.AsyncResult(part.id) for part in (direct, chained.parent, chained)]
 
     assert isinstance(result.result, ChordError)
     assert "LeaseHeldError" in str(result.result)
-    assert [part.state for part in parts] == [states.FAILURE, states.FAILURE]
+    assert [part.state for part in parts] == [states.FAILURE] * 3
     assert all(isinstance(part.result, LeaseHeldError) for part in parts)
     assert f"held by {HOLDER} (epoch {epoch})" in str(parts[0].result)
     assert collected == []

@@ -765,10 +765,11 @@ class FencedTask(Task):  # type: ignore[misc]
         self._stop(REJECTED, error)
 
     def _stop(self, state: str, error: LeaseError) -> NoReturn:
-        if self.request.chord:
+        if _awaited_by_a_chord(self.request):
             # A chord calls its body once every part has ended in a state Celery counts as
             # finished, which SKIPPED and REJECTED are not: the chord would wait forever. A
-            # part fails with the error instead, and the chord with a ChordError naming it.
+            # part fails with the error instead (with the links of its chain, which Celery
+            # marks failed too), and the chord with a ChordError naming it.
             self.backend.mark_as_failure(self.request.id, error, request=self.request)
             raise Ignore(str(error))
         owner = error.owner
@@ -785,6 +786,17 @@ class FencedTask(Task):  # type: ignore[misc]
             },
         )
         raise Ignore(str(error))
+
+
+def _awaited_by_a_chord(request: Any) -> bool:
+    """Whether a chord waits for this task: as one of its parts, or for the end of the chain
+    this task starts, one of whose links is a part."""
+    if request.chord:
+        return True
+    return any(
+        isinstance(link, Mapping) and bool((link.get("options") or {}).get("chord"))
+        for link in request.chain or ()
+    )
 
 
 def _fenced_base(base: object) -> type[FencedTask]:
