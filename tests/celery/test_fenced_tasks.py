@@ -28,6 +28,7 @@ from celery_fence.contrib.celery import (
     FenceHeader,
     current_run,
 )
+from celery_fence.contrib.celery.fence import BUSY_RETRIES
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -260,7 +261,8 @@ def test_busy_retry_runs_once_the_owner_is_gone(
         wait.until(lambda: result.state == states.RETRY, what="the busy run to be retried")
         if owner_ends == "released":
             store.release(lease)
-        assert wait.outcome(result) == [1, 2]
+        # A busy retry is not one of the task's own retries.
+        assert wait.outcome(result) == [0, 2]
 
     assert result.state == states.SUCCESS
     first, _ = store.history(NAME)[::-1]
@@ -268,9 +270,11 @@ def test_busy_retry_runs_once_the_owner_is_gone(
     assert fence.store.metrics.get("busy.retry") == 1
 
 
-def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
+def test_busy_retries_are_counted_apart_from_the_task_own_retries(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
+    """A busy retry neither uses up the task's ``max_retries`` nor shows in
+    ``request.retries``, and leaves the task's retry limit as it was."""
     runs: list[int] = []
 
     @fence.task(
@@ -289,7 +293,8 @@ def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
     assert lease is not None
     with worker():
         # Refused once (the busy retry allows fence_busy_max_retries, 10), then run: its own
-        # failure is retried by autoretry_for up to the task's max_retries of 1, not 10.
+        # failure is retried by autoretry_for up to the task's max_retries of 1, not 10, and
+        # the busy retry did not use that one up.
         busy = publish.delay("prod")
         wait.until(lambda: busy.state == states.RETRY, what="the busy run to be retried")
         store.release(lease)
@@ -298,7 +303,7 @@ def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
         again = publish.delay("prod")
         assert wait.finished(again) == states.FAILURE
 
-    assert runs == [1, 0, 1]
+    assert runs == [0, 1, 0, 1]
     assert isinstance(busy.result, ValueError)
     assert fence.store.metrics.get("busy.retry") == 1
     assert "override_max_retries" not in vars(publish)
@@ -308,10 +313,11 @@ def test_a_busy_retry_leaves_the_task_retry_limit_as_it_was(
 EARLIER_DELIVERY = [
     # Its worker was lost: the lease expires, and the redelivery does the work.
     pytest.param("lost", states.SUCCESS, id="lost with its worker"),
-    # It still runs (the broker's visibility timeout): it renews the lease; the busy policy.
-    pytest.param("running", SKIPPED, id="still running"),
-    # It ran to its end and released the lease: the work is done; the busy policy.
-    pytest.param("finished", SKIPPED, id="finished"),
+    # It still runs (the broker's visibility timeout): it renews the lease, and the redelivery
+    # waits again; then it ends, and the redelivery is dropped.
+    pytest.param("running", None, id="still running"),
+    # It ran to its end and released the lease: the work is done; the redelivery is dropped.
+    pytest.param("finished", None, id="finished"),
 ]
 
 
@@ -347,6 +353,7 @@ def taken_over_from_a_publisher(
 
 
 @pytest.mark.parametrize("continuation", [False, True], ids=["a first run", "a continuation"])
+@pytest.mark.parametrize("policy", ["skip", "raise"])
 @pytest.mark.parametrize(("earlier", "end"), EARLIER_DELIVERY)
 def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end(
     app: Celery,
@@ -356,18 +363,22 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     wait: Wait,
     expire_lease: Callable[[str], None],
     earlier: str,
-    end: str,
+    end: str | None,
+    policy: str,
     continuation: bool,
 ) -> None:
     """``acks_late``: the message comes back while a run of it holds the lease. Skipping at once
-    would acknowledge the only message left of work whose run may be gone. A continuation (a
-    child or retry, sent with its publisher's header) whose earlier delivery took the lease over
-    from that publisher is no different: that newer epoch is the same work's."""
+    would acknowledge the only message left of work whose run may be gone: the redelivery waits
+    for the lease, whatever ``on_busy`` says, as long as that run renews it. Once that run
+    released it, the work is done: the redelivery is dropped without a state of its own, which
+    would overwrite the result of the run (the same task id). A continuation (a child or retry,
+    sent with its publisher's header) whose earlier delivery took the lease over from that
+    publisher is no different: that newer epoch is the same work's."""
     # Busy retries come back within a second (their countdown is capped at fence_max_ttl).
     app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
     runs: list[int] = []
 
-    @fence.task(lease="release:{environment}", on_busy="skip", acks_late=True, bind=True)
+    @fence.task(lease="release:{environment}", on_busy=policy, acks_late=True, bind=True)
     def publish(self: Any, environment: str) -> str:
         runs.append(self.request.retries)
         return self.holder()
@@ -387,20 +398,25 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         ).lease
     assert lease is not None
     epoch, first = lease.epoch, lease.holder
+    metrics = fence.store.metrics
     with worker():
         result = publish.apply_async(("prod",), task_id=task_id, headers=headers)
         wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
         if earlier == "lost":
             expire_lease(NAME)
-        elif earlier == "running":
-            store.renew(lease)
+            assert wait.finished(result) == end
         else:
+            if earlier == "running":
+                store.renew(lease)
+                wait.until(lambda: metrics.get("busy.wait") == 2, what="a second wait")
             store.release(lease)
-        assert wait.finished(result) == end
+            wait.until(lambda: metrics.get("busy.duplicate") == 1, what="the redelivery dropped")
 
-    assert fence.store.metrics.get("busy.retry") == 1
     history = store.history(NAME)
+    for counter in ("busy.skip", "busy.raise", "busy.retry"):
+        assert metrics.get(counter) == 0
     if earlier == "lost":
+        assert metrics.get("busy.wait") == 1
         assert len(runs) == 1
         # The same task id, and for a continuation the same publication.
         assert result.result.partition("@")[0] == first.partition("@")[0]
@@ -409,12 +425,11 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
             (epoch, first),
             *before,
         ]
-        assert fence.store.metrics.get("busy.skip") == 0
     else:
         assert runs == []
         assert [(entry.epoch, entry.holder) for entry in history] == [(epoch, first), *before]
-        assert result.info["owner_holder"] == first
-        assert fence.store.metrics.get("busy.skip") == 1
+        # The state the wait left: nothing of the dropped redelivery's own.
+        assert result.state == states.RETRY
     assert store.stale_runs() == []
 
 
@@ -506,7 +521,16 @@ def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     assert fence.store.metrics.get("busy.skip") == 2
 
 
-@pytest.mark.parametrize(("policy", "refusals"), [("raise", 1), ("retry", 2)])
+@pytest.mark.parametrize(
+    ("policy", "refusals", "busy_retries"),
+    [
+        ("raise", 1, None),
+        ("retry", 2, None),
+        # A busy retry count that is not a non-negative integer counts as none.
+        ("retry", 2, -5),
+        ("retry", 2, "9"),
+    ],
+)
 def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     app: Celery,
     fence: Fence,
@@ -517,6 +541,7 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     failures: dict[str, BaseException],
     policy: str,
     refusals: int,
+    busy_retries: object,
 ) -> None:
     # One retry at most; its countdown, the owner's remaining time, is capped at fence_max_ttl.
     app.conf.update(
@@ -524,8 +549,9 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     )
     publish = probe(on_busy=policy)
     epoch = hold(store, NAME)
+    headers = {} if busy_retries is None else {BUSY_RETRIES: busy_retries}
     with worker():
-        result = publish.task.delay("prod")
+        result = publish.task.apply_async(("prod",), headers=headers)
         assert wait.finished(result) == states.FAILURE
 
     error = failures[result.id]

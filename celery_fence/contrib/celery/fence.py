@@ -17,7 +17,7 @@ from functools import cached_property
 from typing import Any, Literal, NoReturn
 
 from celery import Celery, Task, bootsteps, current_task, signals
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject, Retry
 
 from celery_fence import validation
 from celery_fence.exceptions import (
@@ -43,10 +43,12 @@ REJECTED = "REJECTED"
 RunMode = Literal["owner", "resume", "join"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
-_UNSET = object()
 #: A message header on the retry of a delivery that found an earlier delivery of the same message
 #: holding the lease: that lease's epoch and its expiry then (see ``FencedTask.refuse``).
 WAITING = "celery_fence_waiting"
+#: A message header counting the busy retries of a message (``fence_busy_max_retries`` bounds
+#: them), apart from the task's own ``request.retries``.
+BUSY_RETRIES = "celery_fence_busy_retries"
 
 
 class FencedRun:
@@ -645,20 +647,20 @@ class FencedTask(Task):  # type: ignore[misc]
         # Compared with the database's aware times: a time without its zone is unreadable.
         return None if expires_at.tzinfo is None else (epoch, expires_at)
 
-    def _waits_for_an_earlier_delivery(self, got: Acquisition) -> bool:
-        """Whether a refused delivery is to wait for its lease to expire, whatever its busy
-        policy: the lease is held by an earlier delivery of the same message that may be gone
-        (its worker lost), and is not kept on purpose after a finished run (``min_hold``).
-        Once a retry finds that the earlier delivery renewed the lease since, that delivery is
-        still running, and the busy policy applies."""
+    def _earlier_delivery_of(self, got: Acquisition) -> Literal["running", "done"] | None:
+        """What became of an earlier delivery of this message that the refused lease names:
+        ``running`` while it holds the lease (its run may be gone: the lease tells once it
+        expires), ``done`` once a delivery that waited for it finds it released (it ran to its
+        end). ``None`` for a lease another message holds, and for a task with ``min_hold``,
+        whose lease is kept on purpose after a finished run."""
         owner = got.owner
-        if got.outcome != "held" or owner is None or self.fence_min_hold:
-            return False
-        if not owner.held or not self.earlier_delivery(owner):
-            return False
-        waited = self.waited_for()
-        renewed = waited is not None and waited[0] == owner.epoch and owner.expires_at > waited[1]
-        return not renewed
+        if owner is None:
+            return None
+        if self.finished_before(owner):
+            return "done"
+        if got.outcome != "held" or self.fence_min_hold:
+            return None
+        return "running" if owner.held and self.earlier_delivery(owner) else None
 
     def lease_ttl(self, settings: FenceSettings) -> float:
         """The TTL of the task's lease: its own or the default, at least its ``min_hold``; the
@@ -701,8 +703,9 @@ class FencedTask(Task):  # type: ignore[misc]
             )
 
     def refuse(self, name: str, got: Acquisition) -> NoReturn:
-        """Apply the busy policy to a refused acquisition: skip, retry or raise; a redelivery
-        whose earlier delivery still holds the lease retries whatever the policy."""
+        """Apply the busy policy to a refused acquisition: skip, retry or raise. A redelivery
+        whose earlier delivery holds the lease waits for it whatever the policy, and is dropped
+        once that delivery ran to its end."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -711,52 +714,78 @@ class FencedTask(Task):  # type: ignore[misc]
         message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
         if owner is not None and owner.paused:
             message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
-        if owner is not None and self.finished_before(owner):
-            # That delivery did the work, so there is nothing to retry for.
-            message = (
-                f"{self.name}: lease {name} was released by an earlier delivery of this task, "
-                f"{who}, which ran to its end"
-            )
-            policy = "skip" if policy == "retry" else policy
-        options: dict[str, Any] = {}
-        if self._waits_for_an_earlier_delivery(got):
-            # Skipping would acknowledge the only message left of work whose run may be gone:
-            # wait for the lease to expire, as the retry policy does.
-            assert owner is not None
-            policy = "retry"
-            message += " (an earlier delivery of this task)"
-            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
-            options["headers"] = {**(self.request.headers or {}), WAITING: waiting}
         error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
+        earlier = self._earlier_delivery_of(got)
+        if earlier == "done":
+            # That delivery did the work and stored its result under this same task id: this
+            # one ends without a state, which would overwrite it.
+            self.fence.store.metrics.incr("busy.duplicate")
+            log.info(
+                "%s: lease %s was released by an earlier delivery of this message, %s, which "
+                "ran to its end; this delivery is dropped",
+                self.name,
+                name,
+                who,
+                extra={"lease": name},
+            )
+            raise Ignore(str(error))
+        if earlier == "running":
+            # Skipping would acknowledge the only message left of work whose run may be gone:
+            # wait for that run's lease to end, for as long as it holds it (never past its
+            # maximum hold), without using up the busy retries.
+            assert owner is not None
+            self.fence.store.metrics.incr("busy.wait")
+            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
+            self._retry_busy(
+                f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
+            )
         self.fence.store.metrics.incr(f"busy.{policy}")
-        if policy == "retry":
-            countdown = 1.0
-            if owner is not None and not owner.paused:
-                remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
-                countdown = min(max(remaining, 0.5), self.fence.settings.max_ttl)
-            log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": name})
-            # Celery keeps a max_retries given to retry() on the task object, which every later
-            # run of the task in this process shares, and autoretry_for goes by it from then on:
-            # the busy limit is put back to what it was once this retry is sent.
-            kept = self.__dict__.get("override_max_retries", _UNSET)
-            try:
-                raise self.retry(
-                    countdown=countdown,
-                    max_retries=self.fence.settings.busy_max_retries,
-                    exc=error,
-                    **options,
-                )
-            finally:
-                if kept is _UNSET:
-                    self.__dict__.pop("override_max_retries", None)
-                else:
-                    self.override_max_retries = kept
+        if policy == "retry" and not self.request.called_directly:
+            self._retry_busy(message, error, {BUSY_RETRIES: self._busy_retries() + 1})
         if policy == "raise" or self.request.called_directly:
             log.info(message, extra={"lease": name})
             raise error
         log.info("%s; skipped", message, extra={"lease": name})
         self._stop(SKIPPED, error)
+
+    def _busy_retries(self) -> int:
+        """The busy retries this message had so far (its ``BUSY_RETRIES`` header)."""
+        value = (self.request.headers or {}).get(BUSY_RETRIES)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        return 0
+
+    def _retry_busy(self, message: str, error: LeaseError, headers: Mapping[str, Any]) -> NoReturn:
+        """Send this message again at the owner's expiry (1 s for a paused lease), with
+        ``headers`` added, and end this delivery in ``RETRY``, as ``Task.retry`` would, but
+        without counting a retry of the task's own: ``request.retries`` and ``max_retries``
+        are the task's. A message past ``fence_busy_max_retries`` busy retries fails with
+        ``error`` instead."""
+        settings = self.fence.settings
+        if headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
+            raise error
+        owner = error.owner
+        countdown = 1.0
+        if owner is not None and not owner.paused:
+            remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
+            countdown = min(max(remaining, 0.5), settings.max_ttl)
+        log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": error.lease_name})
+        request = self.request
+        signature = self.signature_from_request(
+            request,
+            countdown=countdown,
+            headers={**(request.as_execution_options()["headers"] or {}), **headers},
+        )
+        retry = Retry(message, exc=error, when=countdown, is_eager=request.is_eager, sig=signature)
+        if not request.is_eager:
+            try:
+                signature.apply_async()
+            except Exception as exc:
+                # As Task.retry: a message that cannot be sent again is rejected, not lost in
+                # a state that says it was.
+                raise Reject(exc, requeue=False) from exc
+        raise retry
 
     def reject(self, error: LeaseLostError) -> NoReturn:
         """End a continuation whose epoch no longer holds before its body runs."""
