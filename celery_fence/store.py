@@ -308,8 +308,8 @@ class LeaseStore:
     ``engine`` is a SQLAlchemy engine on psycopg 3. ``clock`` replaces the database clock (tests
     pass a function returning an aware ``datetime``); by default ``clock_timestamp()`` decides.
     ``max_ttl`` bounds every TTL this store asks for. ``lock_timeout`` bounds how long an
-    acquisition waits behind fenced writers before it answers "busy" (a renewal, before it
-    raises). ``safety_margin`` is the
+    acquisition waits behind fenced writers before it answers "busy" (a renewal or a release,
+    before it raises). ``safety_margin`` is the
     share of each granted period the holder does not trust, so that it stops before the database
     could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
     on connections of the store's own, opened as ``engine`` opens its own (outside its pool): up
@@ -553,49 +553,25 @@ class LeaseStore:
         """
         ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
         started = time.monotonic()
-        try:
-            row = self._call(
-                "renew",
-                {
-                    "name": lease.name,
-                    "epoch": lease.epoch,
-                    "token": lease.token,
-                    "ttl": ttl_seconds,
-                    "holder": lease.holder,
-                    "enforced": True,
-                    "now": self._now(),
-                    "lock_timeout": self.lock_timeout,
-                },
-            )
-        except FenceDatabaseError as exc:
-            self._check_busy(lease.name, exc, "renew")
-            raise FenceDatabaseError(
-                f"lease {lease.name} epoch {lease.epoch} not renewed: fenced writers kept its row "
-                f"locked past lock_timeout ({self.lock_timeout:g}s); it is unchanged"
-            ) from exc.__cause__
+        params = {**self._holder_params(lease), "ttl": ttl_seconds}
+        row = self._call_as_holder("renew", "renewed", lease, params)
         if row["outcome"] != "renewed":
-            raise self._rejected(lease.name, lease.epoch, lease.holder, row, "renew", True)
+            raise self._rejected(params, row, "renew")
         self.metrics.incr("renew.renewed")
         return self._lease(row, started, ttl_seconds)
 
     def release(self, lease: Lease) -> Released:
         """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
         release raises :class:`LeaseLostError` and is recorded. A sharer of a lease shared with
-        continuations (see :meth:`rejoin`) only leaves it, ``"left"``, while others hold it."""
-        row = self._call(
-            "release",
-            {
-                "name": lease.name,
-                "epoch": lease.epoch,
-                "token": lease.token,
-                "holder": lease.holder,
-                "enforced": True,
-                "now": self._now(),
-            },
-        )
+        continuations (see :meth:`rejoin`) only leaves it, ``"left"``, while others hold it.
+        Raises :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
+        ``lock_timeout``: the lease is unchanged (it runs out at its expiry), and the release may
+        be tried again."""
+        params = self._holder_params(lease)
+        row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
         if outcome not in get_args(Released):
-            raise self._rejected(lease.name, lease.epoch, lease.holder, row, "release", True)
+            raise self._rejected(params, row, "release")
         self.metrics.incr(f"release.{outcome}")
         who = (lease.name, lease.holder, lease.epoch)
         extra = {"lease": lease.name, "epoch": lease.epoch, "holder": lease.holder}
@@ -606,6 +582,37 @@ class LeaseStore:
                 "lease %s left by %s at epoch %d; its other sharers hold it", *who, extra=extra
             )
         return outcome
+
+    def _holder_params(self, lease: Lease) -> dict[str, Any]:
+        """What a renewal or release of ``lease`` sends: its identity, the lock timeout, and the
+        environment a stale run is recorded under if the lease's row does not exist (the row's
+        own wins otherwise)."""
+        return {
+            "name": lease.name,
+            "epoch": lease.epoch,
+            "token": lease.token,
+            "holder": lease.holder,
+            "enforced": True,
+            "now": self._now(),
+            "lock_timeout": self.lock_timeout,
+            "environment": self._fallback_environment(lease),
+        }
+
+    def _call_as_holder(
+        self, call: str, done: str, lease: Lease, params: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Run ``call`` (renew or release) for ``lease``'s holder. One that waited past
+        ``lock_timeout`` for the lease's row behind fenced writers is logged and counted
+        (``<call>.busy``) and raised as a :class:`FenceDatabaseError` saying the lease is
+        unchanged."""
+        try:
+            return self._call(call, params)
+        except FenceDatabaseError as exc:
+            self._check_busy(lease.name, exc, call)
+            raise FenceDatabaseError(
+                f"lease {lease.name} epoch {lease.epoch} not {done}: fenced writers kept its row "
+                f"locked past lock_timeout ({self.lock_timeout:g}s); it is unchanged"
+            ) from exc.__cause__
 
     def rejoin(
         self,
@@ -670,7 +677,7 @@ class LeaseStore:
         if row["outcome"] in ("held", "paused"):
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         if row["outcome"] not in ("joined", "resumed"):
-            raise self._rejected(name, epoch, holder, row, action, enforce)
+            raise self._rejected(params, row, action)
         lease = self._lease(row, started, ttl_seconds)
         if row["outcome"] == "resumed":
             log.info(
@@ -1017,27 +1024,27 @@ class LeaseStore:
         return rows[0]
 
     def _rejected(
-        self,
-        name: str,
-        epoch: int,
-        holder: str,
-        row: Mapping[str, Any],
-        action: str,
-        enforced: bool,
+        self, params: Mapping[str, Any], row: Mapping[str, Any], action: str
     ) -> LeaseLostError:
-        """Log and count a rejection the database already recorded; build its error."""
-        reason = row["reason"]
+        """Log and count a rejection the database already recorded for the call made with
+        ``params``; build its error."""
+        name, epoch, reason = params["name"], params["epoch"], row["reason"]
         owner = _owner(row)
+        # The environment celery_fence.record_stale_run recorded: the lease row's, or, when the
+        # row did not exist, the one the call passed, else ''.
+        environment = row["environment"]
+        if environment is None:
+            environment = params["environment"] or ""
         self._report(
             lease_name=name,
-            environment=row["environment"] or "",
+            environment=environment,
             stale_epoch=epoch,
-            stale_holder=holder,
+            stale_holder=params["holder"],
             current_epoch=owner.epoch if owner else None,
             current_holder=owner.holder if owner else None,
             reason=reason,
             action=action,
-            enforced=enforced,
+            enforced=params["enforced"],
         )
         return LeaseLostError(
             f"{action} rejected: lease {name} epoch {epoch} is {reason}"
@@ -1048,18 +1055,22 @@ class LeaseStore:
             reason=reason,
         )
 
+    @staticmethod
+    def _fallback_environment(lease: Lease) -> str | None:
+        """The lease's environment for the database to record a stale run under when the lease
+        row has none to give. One written by a SQL client that this library would refuse is
+        left out (``None``) rather than stop the call."""
+        return validation.readable(validation.check_environment, lease.environment)
+
     def _record_rejection(self, lease: Lease, reason: str, action: str, enforced: bool) -> None:
-        # The database records the lease row's own environment; the lease's is only a fallback,
-        # and one written by a SQL client that this library would refuse must not stop the
-        # record.
-        environment = validation.readable(validation.check_environment, lease.environment)
+        # The database records the lease row's own environment; the lease's is only a fallback.
         self.record_stale_run(
             lease.name,
             epoch=lease.epoch,
             holder=lease.holder,
             reason=reason,
             action=action,
-            environment=environment,
+            environment=self._fallback_environment(lease),
             enforced=enforced,
         )
 

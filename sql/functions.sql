@@ -243,7 +243,7 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.renew(
     p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds'
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in acquire: the wait for the holder's row behind fenced writers is bounded
 -- (lock_not_available), so that one renewal cannot hold up the renewals queued after it.
@@ -276,8 +276,9 @@ BEGIN
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
     v_now := coalesce(p_now, clock_timestamp());
     v_reason := coalesce(celery_fence.stale_reason(v_row, p_epoch, p_token, v_now), 'expired');
+    -- The lease's own environment, or, for a lease that does not exist, the caller's.
     PERFORM celery_fence.record_stale_run(
-        p_name, p_epoch, p_holder, v_reason, 'renew', NULL, p_enforced, p_now
+        p_name, p_epoch, p_holder, v_reason, 'renew', p_environment, p_enforced, p_now
     );
     RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END
@@ -285,8 +286,14 @@ $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.release(
     p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
-    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+-- As in renew: the wait for the holder's row behind fenced writers is bounded
+-- (lock_not_available), so that a transaction left open cannot hold up the end of a run; a
+-- release that gave up changed nothing, and the lease runs out at its expiry.
+SET lock_timeout = '2s'
+AS $$
 DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
@@ -295,6 +302,7 @@ BEGIN
     -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
     -- need not wait for the disk.
     PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     -- The holder's row is locked first and the clock read after (see acquire). A lease shared
     -- with continuations (see rejoin) is released by the last of its sharers.
     SELECT * INTO v_row FROM celery_fence.leases l
@@ -329,8 +337,9 @@ BEGIN
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_now);
     END IF;
     v_reason := coalesce(v_reason, 'expired');
+    -- The lease's own environment, or, for a lease that does not exist, the caller's.
     PERFORM celery_fence.record_stale_run(
-        p_name, p_epoch, p_holder, v_reason, 'release', NULL, p_enforced, p_now
+        p_name, p_epoch, p_holder, v_reason, 'release', p_environment, p_enforced, p_now
     );
     RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END

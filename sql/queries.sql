@@ -9,11 +9,14 @@ SELECT * FROM celery_fence.acquire(
 -- name: renew
 SELECT * FROM celery_fence.renew(
     :name, :epoch, :token, make_interval(secs => :ttl), :holder, :enforced, :now,
-    make_interval(secs => :lock_timeout)
+    make_interval(secs => :lock_timeout), :environment
 )
 
 -- name: release
-SELECT * FROM celery_fence.release(:name, :epoch, :token, :holder, :enforced, :now)
+SELECT * FROM celery_fence.release(
+    :name, :epoch, :token, :holder, :enforced, :now, make_interval(secs => :lock_timeout),
+    :environment
+)
 
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(

@@ -356,6 +356,26 @@ def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: 
     assert (owner["holder"], owner["epoch"], owner["state"]) == ("a", 1, "held")
 
 
+@pytest.mark.parametrize(("command", "done"), [("renew", "renewed"), ("release", "released")])
+def test_a_call_kept_waiting_by_a_fenced_writer_is_one_line_and_changes_nothing(
+    database_url: str, store: LeaseStore, command: str, done: str
+) -> None:
+    lease = answer(acquire(database_url, "job", "a"))["lease"]
+    args = [command, *holder_flags(lease), *(["--ttl", "60"] if command == "renew" else [])]
+    # A fenced writer's lock on the lease row, held until its transaction ends (or, for a call
+    # that would wait without bound, until the server ends the idle session).
+    with store.engine.connect() as writer:
+        writer.exec_driver_sql("SET idle_in_transaction_session_timeout = '10s'")
+        writer.exec_driver_sql("SELECT 1 FROM celery_fence.leases WHERE name = 'job' FOR SHARE")
+        result = cli(database_url, *args)
+    assert_error(result, ExitCode.ERROR, f"not {done}", "past lock_timeout", "unchanged")
+    assert result.stdout == ""
+    [owner] = answer(cli(database_url, "status", "job", "--json"))
+    assert (owner["holder"], owner["epoch"], owner["state"]) == ("a", 1, "held")
+    assert owner["expires_at"] == lease["expires_at"]
+    assert answer(cli(database_url, *args))["outcome"] == done
+
+
 @pytest.mark.parametrize(
     ("args", "stdin", "message"),
     [
@@ -619,6 +639,20 @@ def test_stale_runs(database_url: str) -> None:
     ]
     nothing = cli(database_url, "stale-runs", "--environment", "nowhere")
     assert nothing.stdout == "no stale runs\n"
+
+
+@pytest.mark.parametrize("command", ["renew", "release"])
+def test_a_stale_run_on_a_lease_that_does_not_exist_is_listed_in_the_callers_environment(
+    database_url: str, command: str
+) -> None:
+    ttl = ["--ttl", "30"] if command == "renew" else []
+    flags = ["cli:ghost", "--epoch", "1", "--token", TOKEN, "--holder", "h", *ttl]
+    result = cli(database_url, "--environment", "prod", command, *flags)
+    assert_error(result, ExitCode.LOST, "missing")
+    runs = answer(cli(database_url, "stale-runs", "--environment", "prod", "--json"))
+    assert [(r["lease_name"], r["action"], r["reason"]) for r in runs] == [
+        ("cli:ghost", command, "missing")
+    ]
 
 
 # -- the canary -------------------------------------------------------------------------------

@@ -669,34 +669,47 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
 
 
-def test_a_renewal_behind_a_fenced_writer_gives_up_after_lock_timeout_and_changes_nothing(
-    store: LeaseStore, protected: Engine
+@pytest.mark.parametrize(("call", "done"), [("renew", "renewed"), ("release", "released")])
+def test_a_renewal_or_release_behind_a_fenced_writer_gives_up_after_lock_timeout(
+    store: LeaseStore, protected: Engine, call: str, done: str
 ) -> None:
+    """It fails changing nothing, and may be tried again once the writer committed."""
     held = acquire(store, "H")
     other = LeaseStore(protected, lock_timeout=0.2)
+    calls: dict[str, Callable[[], object]] = {
+        "renew": lambda: other.renew(held),
+        "release": lambda: other.release(held),
+    }
     try:
         with fenced_writer(store, held):
             started = time.monotonic()
-            with pytest.raises(FenceDatabaseError, match="past lock_timeout") as raised:
-                other.renew(held)
+            with pytest.raises(
+                FenceDatabaseError, match=f"not {done}: .* past lock_timeout"
+            ) as raised:
+                calls[call]()
             waited = time.monotonic() - started
             kept = store.owner(NAME)
         assert 0.2 <= waited < 2
         assert not isinstance(raised.value, LeaseLostError)
-        assert other.metrics.get("renew.busy") == 1
-        # Nothing was decided: the lease is as it was, no stale run; once H committed, it renews.
+        assert other.metrics.get(f"{call}.busy") == 1
+        # Nothing was decided: the lease is as it was, no stale run.
         assert kept is not None
-        assert (kept.epoch, kept.renewed_at, kept.expires_at) == (
+        assert (kept.state, kept.epoch, kept.renewed_at, kept.expires_at) == (
+            "held",
             held.epoch,
             held.acquired_at,
             held.expires_at,
         )
         assert store.stale_runs() == []
-        renewed = other.renew(held)
-        assert (renewed.epoch, renewed.token) == (held.epoch, held.token)
-        assert renewed.expires_at > held.expires_at
+        calls[call]()
+        assert other.metrics.get(f"{call}.{done}") == 1
     finally:
         other.dispose()
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (held.epoch, "released" if call == "release" else "held")
+    if call == "renew":
+        assert owner.expires_at > held.expires_at
 
 
 def timed_resume(other: LeaseStore, held: Lease) -> tuple[str, float]:

@@ -208,29 +208,74 @@ def test_release_frees_the_lease_at_once_and_twice_is_harmless(store: LeaseStore
     assert store.stale_runs() == []
 
 
-def test_a_rejoin_of_a_lease_that_does_not_exist_is_recorded_in_the_callers_environment(
+def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_timeout(
     store: LeaseStore,
 ) -> None:
-    with pytest.raises(LeaseLostError) as caught:
-        store.rejoin(
-            NAME,
-            epoch=3,
-            holder="a",
-            mode="resume",
-            proof="00" * 32,
-            ttl=30,
-            action="start publish",
-            environment="prod",
-        )
-    assert caught.value.reason == "missing"
+    """The release's SET clause restores lock_timeout when it returns, and only that: the
+    synchronous_commit it turns off for its transaction stays off until the commit."""
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    params = {"name": NAME, "epoch": lease.epoch, "token": lease.token, "holder": "a"}
+    params |= {"enforced": True, "now": None, "lock_timeout": 0.5, "environment": "prod"}
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql("SET LOCAL lock_timeout = '7s'")
+        released = conn.execute(sa.text(_sql.queries()["release"]), params).one()
+        settings = conn.exec_driver_sql(
+            "SELECT current_setting('synchronous_commit'), current_setting('lock_timeout')"
+        ).one()
+    assert released.outcome == "released"
+    assert tuple(settings) == ("off", "7s")
+
+
+STALE_CALLS: dict[str, Callable[[LeaseStore, Lease], object]] = {
+    "renew": lambda store, lease: store.renew(lease),
+    "release": lambda store, lease: store.release(lease),
+    "start publish": lambda store, lease: store.rejoin(
+        lease.name,
+        epoch=lease.epoch,
+        holder=lease.holder,
+        mode="resume",
+        proof="00" * 32,
+        ttl=30,
+        action="start publish",
+        environment=lease.environment,
+    ),
+}
+
+
+@pytest.mark.parametrize("action", list(STALE_CALLS))
+def test_a_stale_run_is_recorded_and_logged_in_the_leases_environment_else_the_callers(
+    store: LeaseStore, caplog: pytest.LogCaptureFixture, action: str
+) -> None:
+    """A renewal, release or continuation of a lease that does not exist is recorded, and
+    logged, in the caller's environment; of one that exists, in the lease's own, also when that
+    is the empty one a lease paused from SQL without an environment has."""
+    stale = Lease(
+        name=NAME, environment="prod", holder="a", purpose="", epoch=3, token=uuid.uuid4(),
+        acquired_at=START, expires_at=START, hold_until=START, ttl=30.0,
+        deadline=time.monotonic() + 30,
+    )  # fmt: skip
+
+    def rejected() -> tuple[str | None, str]:
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, "celery_fence.stale"),
+            pytest.raises(LeaseLostError) as caught,
+        ):
+            STALE_CALLS[action](store, stale)
+        [logged] = [record for record in caplog.records if record.name == "celery_fence.stale"]
+        return caught.value.reason, logged.environment
+
+    assert rejected() == ("missing", "prod")
     assert store.owner(NAME) is None
-    [stale] = store.stale_runs(environment="prod")
-    assert (stale.lease_name, stale.reason, stale.stale_epoch, stale.current_epoch) == (
-        NAME,
-        "missing",
-        3,
-        None,
-    )
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("SELECT celery_fence.pause(:n, 'audit', 'ops')"), {"n": NAME})
+    assert rejected() == ("forged", "")
+    runs = store.stale_runs(lease_name=NAME)
+    assert [(run.environment, run.reason, run.action, run.stale_epoch) for run in runs] == [
+        ("", "forged", action, 3),
+        ("prod", "missing", action, 3),
+    ]
+    assert runs[1].current_epoch is None
 
 
 def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over_once_lapsed(

@@ -262,31 +262,49 @@ def test_upgrading_from_schema_2_keeps_every_epoch_in_the_history(empty_database
     ]
 
 
-# Each: the function, a signature an earlier schema had (its body is beside the point here), the
-# version that dropped it, a call that leaves the newer arguments out, and how the one left ends.
+# renew's arguments up to schema 4, and a call that leaves every later one out.
+RENEW_OF_SCHEMA_4 = """
+    p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL"""
+CALL_RENEW = (
+    "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')"
+)
+
+# Each: the function, the arguments an earlier schema gave it, the version that dropped that
+# signature, a call that leaves the newer arguments out, and how the one left ends.
 SUPERSEDED_SIGNATURES = [
     pytest.param(
         "renew",
-        """
-CREATE FUNCTION celery_fence.renew(
-    p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
-    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$
-""",
+        RENEW_OF_SCHEMA_4,
         5,
-        "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')",
-        "p_now timestamp with time zone, p_lock_timeout interval",
+        CALL_RENEW,
+        "p_lock_timeout interval, p_environment text",
         id="renew without a lock timeout",
+    ),
+    pytest.param(
+        "renew",
+        f"{RENEW_OF_SCHEMA_4}, p_lock_timeout interval DEFAULT interval '2 seconds'",
+        7,
+        CALL_RENEW,
+        "p_lock_timeout interval, p_environment text",
+        id="renew without its environment",
+    ),
+    pytest.param(
+        "release",
+        """
+    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL""",
+        7,
+        "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
+        "p_now timestamp with time zone, p_lock_timeout interval, p_environment text",
+        id="release without a lock timeout and its environment",
     ),
     pytest.param(
         "rejoin",
         """
-CREATE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds'
-) RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$
-""",
+    p_lock_timeout interval DEFAULT interval '2 seconds'""",
         6,
         "SELECT outcome, reason FROM celery_fence.rejoin("
         "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
@@ -323,7 +341,11 @@ def test_upgrading_leaves_one_signature_of_a_function(
                 sa.text("DELETE FROM celery_fence.migrations WHERE version >= :version"),
                 {"version": version},
             )
-            conn.exec_driver_sql(earlier)
+            # The earlier signature (its body is beside the point here).
+            conn.exec_driver_sql(
+                f"CREATE FUNCTION celery_fence.{function}({earlier}) RETURNS celery_fence.answer"
+                " LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$"
+            )
         assert install(empty_database_url) == _sql.latest_version()
         with engine.begin() as conn:
             (arguments,) = conn.execute(signatures, {"function": function}).scalars()

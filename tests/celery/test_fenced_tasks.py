@@ -7,6 +7,7 @@ in a silent SUCCESS, and its body never runs.
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -615,6 +616,42 @@ def test_lease_is_released_when_the_body_fails(
     [entry] = store.history(NAME)
     assert entry.end_reason == "released"
     assert hold(store, NAME) == 2
+
+
+def test_a_release_kept_waiting_by_a_fenced_writer_leaves_the_lease_to_expire(
+    app: Celery, fence: Fence, engine: Engine, store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run that ends while a fenced write of its own is still open (a transaction its body
+    left open) cannot release the row that write holds: the release gives up after
+    ``fence_lock_timeout``, the run ends with one warning, and the lease is left to expire."""
+    app.conf.fence_lock_timeout = 0.2
+    left_open: list[sa.Connection] = []
+
+    @fence.task(lease="release:{environment}", ttl=5)
+    def publish(environment: str) -> str:
+        conn = engine.connect()
+        left_open.append(conn)
+        conn.begin()
+        with fence.current().guard("publish manifest", conn):
+            conn.exec_driver_sql("SELECT 1")
+        # The fence sets the session's idle timeout to the lease's remaining time: a release
+        # that waited without bound would wait for the server to end this session.
+        return "published"
+
+    try:
+        with caplog.at_level(logging.WARNING, "celery_fence"):
+            assert publish.apply(("prod",)).get() == "published"
+    finally:
+        for conn in left_open:
+            conn.close()
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "celery_fence"]
+    assert warning.startswith("could not release lease release:prod (it will expire): ")
+    assert "not released" in warning
+    assert fence.store.metrics.get("release.busy") == 1
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "held")
+    assert store.stale_runs() == []
 
 
 def test_min_hold_keeps_the_lease_after_a_fast_run(
