@@ -11,6 +11,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -121,9 +122,25 @@ def test_a_base_of_celery_is_combined_with_the_fence(
         fence.task(lease="release", base=object)
 
 
-def test_decorator_rejects_an_unknown_busy_policy_at_declaration(fence: Fence) -> None:
-    with pytest.raises(ConfigurationError, match="on_busy must be skip, retry or raise"):
-        fence.task(lease="release", on_busy="wait")
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"on_busy": "wait"}, "on_busy must be skip, retry or raise"),
+        # Zero is not "the default": it is refused, as the settings refuse it.
+        ({"ttl": 0}, "ttl must be greater than 0 seconds, got 0"),
+        ({"ttl": -1}, "ttl must be greater than 0 seconds, got -1"),
+        ({"ttl": 86_401}, "ttl must be at most 86400 seconds"),
+        ({"max_hold": 0}, "max_hold must be greater than 0 seconds, got 0"),
+        ({"renew_interval": 0}, "renew_interval must be greater than 0 seconds, got 0"),
+        ({"renew_interval": "10"}, "renew_interval must be a number of seconds"),
+        ({"min_hold": -1}, "min_hold must be greater than 0 seconds, got -1"),
+    ],
+)
+def test_decorator_rejects_bad_options_at_declaration(
+    fence: Fence, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        fence.task(lease="release", **options)
 
 
 def test_bound_and_plain_bodies_run_under_their_lease(
@@ -675,11 +692,33 @@ def test_min_hold_keeps_the_lease_after_a_fast_run(
     assert again.info["owner_epoch"] == 1
 
 
-def test_a_retry_of_a_min_hold_task_renews_on_the_same_timing_as_its_first_run(
+def test_a_min_hold_run_that_renews_keeps_the_lease_for_min_hold_from_when_it_took_it(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
-    # A 20s renew interval fits the 60s lease min_hold makes, not the 5s ttl alone.
-    @fence.task(lease="nightly:{day}", ttl=5, min_hold=60, renew_interval=20, bind=True)
+    """Renewals extend the lease by its TTL, not by ``min_hold``: a run that renewed it does
+    not keep it into the next period."""
+
+    @fence.task(lease="nightly:{day}", ttl=5, min_hold=60)
+    def nightly(day: str) -> int | None:
+        run = fence.current()
+        assert run.keeper is not None
+        assert run.keeper.renew_once() is not None
+        return run.epoch
+
+    with worker():
+        assert wait.outcome(nightly.delay("monday")) == 1
+
+    owner = store.owner("nightly:monday")
+    assert owner is not None
+    assert owner.state == "held"
+    assert owner.renewed_at > owner.acquired_at
+    assert owner.expires_at == owner.acquired_at + timedelta(seconds=60)
+
+
+def test_a_retry_of_a_min_hold_task_keeps_the_period_its_first_run_took(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    @fence.task(lease="nightly:{day}", ttl=5, min_hold=60, renew_interval=1, bind=True)
     def nightly(self: Any, day: str) -> list[Any]:
         if self.request.retries == 0:
             raise self.retry(countdown=0)

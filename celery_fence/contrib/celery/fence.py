@@ -300,13 +300,15 @@ class Fence:
             "fence": self,
             "fence_lease": validation.check_text(lease, "lease", max_length=500),
             "fence_environment": environment,
-            "fence_ttl": ttl,
-            "fence_max_hold": max_hold,
+            "fence_ttl": _seconds_or_none(ttl, "ttl", validation.MAX_TTL_SECONDS),
+            "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
             "fence_min_hold": min_hold
             and validation.check_seconds(min_hold, "min_hold", maximum=validation.MAX_HOLD_SECONDS),
             "fence_on_busy": on_busy,
             "fence_purpose": purpose,
-            "fence_renew_interval": renew_interval,
+            "fence_renew_interval": _seconds_or_none(
+                renew_interval, "renew_interval", validation.MAX_TTL_SECONDS
+            ),
         }
         if on_busy is not None and on_busy not in ("skip", "retry", "raise"):
             raise ConfigurationError(f"on_busy must be skip, retry or raise; got {on_busy!r}")
@@ -391,7 +393,7 @@ class Fence:
             got = self.store.acquire(
                 name,
                 holder=task.holder(),
-                ttl=ttl,
+                ttl=task.acquisition_ttl(settings),
                 environment=environment,
                 max_hold=task.fence_max_hold or settings.max_hold,
                 purpose=_fill(task.fence_purpose, arguments, "purpose"),
@@ -400,11 +402,14 @@ class Fence:
             got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
         if got.lease is None:
             return self._refused(task, name, got, enforced, "owner")
-        keeper = LeaseKeeper(
-            got.lease,
-            self.keeper_store.renew,
-            interval=task.renew_interval(settings, ttl),
-        ).start()
+        keeper_store = self.keeper_store
+
+        def renew(lease: Lease) -> Lease:
+            # By the TTL, also after an acquisition for min_hold: renewals keep the lease while
+            # the run goes on, and never past min_hold after it was taken once the run ends.
+            return keeper_store.renew(lease, ttl=ttl)
+
+        keeper = LeaseKeeper(got.lease, renew, interval=task.renew_interval(settings, ttl)).start()
         return FencedRun(
             store=self.store,
             mode="owner",
@@ -663,9 +668,14 @@ class FencedTask(Task):  # type: ignore[misc]
         return "running" if owner.held and self.earlier_delivery(owner) else None
 
     def lease_ttl(self, settings: FenceSettings) -> float:
-        """The TTL of the task's lease: its own or the default, at least its ``min_hold``; the
-        same for a run that takes the lease and for its retries and children."""
-        return max(self.fence_ttl or settings.default_ttl, self.fence_min_hold)
+        """The TTL of the task's lease, its own or the default: what renewals extend it by, for
+        a run and for its retries and children."""
+        return self.fence_ttl or settings.default_ttl
+
+    def acquisition_ttl(self, settings: FenceSettings) -> float:
+        """What a run that takes the lease asks for: its TTL, or its ``min_hold`` if longer, so
+        that the lease is kept that long from when it was taken."""
+        return max(self.lease_ttl(settings), self.fence_min_hold)
 
     def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
         return check_timing(
@@ -685,14 +695,19 @@ class FencedTask(Task):  # type: ignore[misc]
             maximum=settings.max_ttl,
         )
         self.renew_interval(settings, ttl)
+        taken_for = validation.check_seconds(
+            self.acquisition_ttl(settings),
+            f"{self.name} min_hold",
+            maximum=settings.max_ttl,
+        )
         max_hold = self.fence_max_hold or settings.max_hold
         if max_hold is None:
-            hold = max(ttl, validation.DEFAULT_MAX_HOLD_SECONDS)
+            hold = max(taken_for, validation.DEFAULT_MAX_HOLD_SECONDS)
         else:
             # The store refuses an acquisition whose ttl (the larger of the task's ttl and its
             # min_hold) exceeds its maximum hold: every run would fail.
             hold = validation.check_max_hold(
-                max_hold, ttl, what=f"{self.name} max_hold", ttl_what="the lease's ttl"
+                max_hold, taken_for, what=f"{self.name} max_hold", ttl_what="the lease's ttl"
             )
         time_limit = self.time_limit or self.app.conf.task_time_limit
         if time_limit is not None and time_limit > hold:
@@ -815,6 +830,12 @@ class FencedTask(Task):  # type: ignore[misc]
             },
         )
         raise Ignore(str(error))
+
+
+def _seconds_or_none(value: object, what: str, maximum: float) -> float | None:
+    """A task option's seconds, checked when the task is declared; ``None`` when not given (the
+    setting applies)."""
+    return None if value is None else validation.check_seconds(value, what, maximum=maximum)
 
 
 def _awaited_by_a_chord(request: Any) -> bool:
