@@ -725,10 +725,21 @@ class FencedTask(Task):  # type: ignore[misc]
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
         who = f"{owner.holder} (epoch {owner.epoch})" if owner else "unknown"
-        reason = "paused" if got.outcome == "paused" else got.outcome
-        message = f"{self.name}: lease {name} is {reason}, held by {who} until {until}"
+        reason = got.outcome
         if owner is not None and owner.paused:
-            message += f"; paused by {owner.paused_by}: {owner.paused_reason}"
+            message = (
+                f"{self.name}: lease {name} is paused by {owner.paused_by}: {owner.paused_reason}"
+            )
+            # A lease paused before anyone held it has no holder to name.
+            if owner.epoch > 0:
+                message += f"; last held by {who}"
+        elif reason == "busy":
+            message = (
+                f"{self.name}: lease {name} is busy: fenced writers kept its row locked; it is "
+                f"held by {who} until {until}"
+            )
+        else:
+            message = f"{self.name}: lease {name} is held by {who} until {until}"
         error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
         earlier = self._earlier_delivery_of(got)
