@@ -60,6 +60,26 @@ def test_defaults_and_enforcement_per_environment() -> None:
             id="beat renew interval",
         ),
         pytest.param(
+            {"fence_renew_interval": 0},
+            r"^fence_renew_interval must be greater than 0 seconds, got 0$",
+            id="renew interval not positive",
+        ),
+        pytest.param(
+            {"fence_renew_interval": "10s"},
+            r"^fence_renew_interval must be a number of seconds, got '10s'$",
+            id="renew interval not a number",
+        ),
+        pytest.param(
+            {"fence_beat_renew_interval": 0},
+            r"^fence_beat_renew_interval must be greater than 0 seconds, got 0$",
+            id="beat renew interval not positive",
+        ),
+        pytest.param(
+            {"fence_beat_renew_interval": 20},
+            r"^fence_beat_renew_interval must be at most 15 seconds, got 20$",
+            id="beat renew interval above the beat ttl",
+        ),
+        pytest.param(
             {"fence_default_ttl": 7200},
             r"fence_default_ttl must be at most 3600",
             id="ttl above max ttl",

@@ -36,12 +36,21 @@ DEFAULTS: dict[str, Any] = {
 
 
 def check_timing(
-    ttl: float, renew_interval: float | None, safety_margin: float, what: str
+    ttl: float,
+    renew_interval: float | None,
+    safety_margin: float,
+    what: str,
+    interval_what: str | None = None,
 ) -> float:
     """The renew interval (default a third of the TTL) must leave time to renew before the
-    holder's own deadline (the TTL less the safety margin); return it."""
-    interval = ttl / 3 if renew_interval is None else renew_interval
-    interval = validation.check_seconds(interval, f"{what} renew interval", maximum=ttl)
+    holder's own deadline (the TTL less the safety margin); return it. ``what`` names the TTL
+    in errors; ``interval_what`` names a given renew interval in errors about its own value
+    (default ``what``'s renew interval)."""
+    if renew_interval is None:
+        interval, named = ttl / 3, f"{what} renew interval"
+    else:
+        interval, named = renew_interval, interval_what or f"{what} renew interval"
+    interval = validation.check_seconds(interval, named, maximum=ttl)
     trusted = ttl * (1 - safety_margin)
     if interval >= trusted:
         raise ConfigurationError(
@@ -113,12 +122,18 @@ class FenceSettings:
                 max_hold, default_ttl, what="fence_max_hold", ttl_what="fence_default_ttl"
             )
         renew_interval = get("fence_renew_interval")
-        check_timing(default_ttl, renew_interval, safety_margin, "fence_default_ttl")
+        check_timing(
+            default_ttl, renew_interval, safety_margin, "fence_default_ttl", "fence_renew_interval"
+        )
         beat_ttl = validation.check_seconds(
             get("fence_beat_ttl"), "fence_beat_ttl", maximum=max_ttl
         )
         beat_renew = check_timing(
-            beat_ttl, get("fence_beat_renew_interval"), safety_margin, "fence_beat_ttl"
+            beat_ttl,
+            get("fence_beat_renew_interval"),
+            safety_margin,
+            "fence_beat_ttl",
+            "fence_beat_renew_interval",
         )
         retries = get("fence_busy_max_retries")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
