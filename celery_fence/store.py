@@ -848,10 +848,13 @@ class LeaseStore:
         True the first time a slot of ``entry`` is claimed for the lease's schedule, false ever
         after, whoever asks; :class:`StaleEpochError` when ``lease`` no longer holds.
         """
+        when = slot.isoformat()
+        # The action names the entry and the slot: an entry name is short enough for it whole.
+        action = "dispatch {} for " + when
+        limit = validation.MAX_TEXT_LENGTH - len(action.format(""))
         params = {
             "schedule": lease.name,
-            # Short enough for the action below to name it whole.
-            "entry": validation.check_text(entry, "entry", max_length=validation.MAX_NAME_LENGTH),
+            "entry": validation.check_text(entry, "entry", max_length=limit),
             "slot": slot,
             "task": validation.check_text(task, "task", max_length=validation.MAX_TEXT_LENGTH),
             "epoch": lease.epoch,
@@ -861,7 +864,7 @@ class LeaseStore:
         try:
             with (
                 self.engine.begin() as conn,
-                self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
+                self.guard(lease, conn, action=action.format(entry)),
             ):
                 claimed = self._run(_cursor(conn), "claim_slot", params)
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
@@ -971,8 +974,14 @@ class LeaseStore:
 
     @staticmethod
     def _limit(limit: int) -> int:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise ConfigurationError(f"limit must be an integer from 1 to 10000, got {limit!r}")
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 1 <= limit <= validation.MAX_LIMIT
+        ):
+            raise ConfigurationError(
+                f"limit must be an integer from 1 to {validation.MAX_LIMIT}, got {limit!r}"
+            )
         return limit
 
     def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:

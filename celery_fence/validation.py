@@ -17,6 +17,8 @@ MAX_HOLD_SECONDS = 7 * 86_400.0
 DEFAULT_MAX_HOLD_SECONDS = 86_400.0
 #: The shortest span of seconds: PostgreSQL keeps times and intervals to the microsecond.
 RESOLUTION_SECONDS = 1e-6
+#: The most rows one listing returns.
+MAX_LIMIT = 10_000
 #: The largest epoch: epochs are PostgreSQL ``bigint``s.
 MAX_EPOCH = 2**63 - 1
 

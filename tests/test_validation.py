@@ -228,12 +228,13 @@ def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     """The entry's name goes into the dispatch record and into the action of a stale run; one
     that fits both is claimed, a longer one is refused as an entry before any SQL."""
     slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
-    with pytest.raises(ConfigurationError, match=r"^entry must be at most 200 characters"):
-        store.claim_slot(a_lease(), entry="e" * 201, slot=slot, task="tasks.plan")
+    # "dispatch <entry> for 2030-01-01T00:00:00+00:00" is at most 500 characters.
+    with pytest.raises(ConfigurationError, match=r"^entry must be at most 461 characters"):
+        store.claim_slot(a_lease(), entry="e" * 462, slot=slot, task="tasks.plan")
     assert statements == []
     got = store.acquire("scheduler:plans", holder="beat", ttl=30)
     assert got.lease is not None
-    assert store.claim_slot(got.lease, entry="e" * 200, slot=slot, task="tasks.plan")
+    assert store.claim_slot(got.lease, entry="e" * 461, slot=slot, task="tasks.plan")
 
 
 BAD_STORES: dict[str, dict[str, Any]] = {

@@ -122,6 +122,16 @@ def test_a_base_of_celery_is_combined_with_the_fence(
         fence.task(lease="release", base=object)
 
 
+def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
+    def body() -> None:
+        pass
+
+    for none in (None, 0):
+        task = fence.task(lease="release", min_hold=none, name=f"min_hold_{none}")(body)
+        assert task.fence_min_hold == 0.0
+        assert task.acquisition_ttl(fence.settings) == fence.settings.default_ttl
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -241,8 +251,10 @@ def test_busy_skip_reports_the_owner_and_never_succeeds(
         return "done"
 
     epoch = hold(store, NAME)
+    said = f"is held by {HOLDER} (epoch {epoch}) until"
     if taken == "paused":
         store.pause(NAME, reason="incident 42", by="ops@test")
+        said = f"is paused by ops@test: incident 42; last held by {HOLDER} (epoch {epoch})"
     owner = store.owner(NAME)
     assert owner is not None
 
@@ -258,7 +270,7 @@ def test_busy_skip_reports_the_owner_and_never_succeeds(
     assert (meta["lease"], meta["reason"]) == (NAME, taken)
     assert (meta["owner_holder"], meta["owner_epoch"]) == (HOLDER, epoch)
     assert meta["owner_expires_at"] == owner.expires_at.isoformat()
-    assert HOLDER in meta["message"]
+    assert said in meta["message"]
     assert not publish.ran.is_set()
     assert [entry.holder for entry in store.history(NAME)] == [HOLDER]
     assert fence.store.metrics.get("busy.skip") == 1
@@ -304,7 +316,7 @@ def test_busy_retries_are_counted_apart_from_the_task_own_retries(
         retry_kwargs={"countdown": 0},
     )
     def publish(self: Any, environment: str) -> None:
-        runs.append(self.request.retries)
+        runs.append((self.request.retries, (self.request.headers or {}).get(BUSY_RETRIES)))
         raise ValueError("the release is not ready")
 
     lease = store.acquire(NAME, holder=HOLDER, ttl=1.0).lease
@@ -321,10 +333,26 @@ def test_busy_retries_are_counted_apart_from_the_task_own_retries(
         again = publish.delay("prod")
         assert wait.finished(again) == states.FAILURE
 
-    assert runs == [0, 1, 0, 1]
+    # The task's own retry does not carry the busy retries of the run that sent it.
+    assert runs == [(0, 1), (1, None), (0, None), (1, None)]
     assert isinstance(busy.result, ValueError)
     assert fence.store.metrics.get("busy.retry") == 1
-    assert "override_max_retries" not in vars(publish)
+
+
+def test_an_eager_busy_retry_fails_at_once(fence: Fence, store: LeaseStore) -> None:
+    """Run eagerly, a retry would run again at once, not at the owner's expiry: the task fails
+    with LeaseHeldError, and its own retries are left alone."""
+
+    @fence.task(lease="release:{environment}", on_busy="retry")
+    def publish(environment: str) -> None:
+        raise AssertionError("the body of a refused run ran")
+
+    hold(store, NAME)
+    result = publish.apply(args=("prod",))
+
+    assert result.state == states.FAILURE
+    assert isinstance(result.result, LeaseHeldError)
+    assert fence.store.metrics.get("busy.retry") == 1
 
 
 # Each: what became of the earlier delivery while the redelivery waited, the redelivery's end.
@@ -336,6 +364,10 @@ EARLIER_DELIVERY = [
     pytest.param("running", None, id="still running"),
     # It ran to its end and released the lease: the work is done; the redelivery is dropped.
     pytest.param("finished", None, id="finished"),
+    # The same, and the lease was paused before the redelivery came back.
+    pytest.param("finished, then paused", None, id="finished then paused"),
+    # The same, and another message's run took and released the lease in between.
+    pytest.param("finished, then another run", None, id="finished then another run"),
 ]
 
 
@@ -428,6 +460,12 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
                 store.renew(lease)
                 wait.until(lambda: metrics.get("busy.wait") == 2, what="a second wait")
             store.release(lease)
+            if earlier == "finished, then paused":
+                store.pause(NAME, reason="incident 42")
+            elif earlier == "finished, then another run":
+                other = store.acquire(NAME, holder="another-message@test", ttl=60).lease
+                assert other is not None
+                store.release(other)
             wait.until(lambda: metrics.get("busy.duplicate") == 1, what="the redelivery dropped")
 
     history = store.history(NAME)
@@ -445,7 +483,12 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         ]
     else:
         assert runs == []
-        assert [(entry.epoch, entry.holder) for entry in history] == [(epoch, first), *before]
+        another = [(epoch + 1, "another-message@test")] if "another" in earlier else []
+        assert [(entry.epoch, entry.holder) for entry in history] == [
+            *another,
+            (epoch, first),
+            *before,
+        ]
         # The state the wait left: nothing of the dropped redelivery's own.
         assert result.state == states.RETRY
     assert store.stale_runs() == []
@@ -544,6 +587,8 @@ def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     [
         ("raise", 1, None),
         ("retry", 2, None),
+        # A message that already had its busy retries fails at its next refusal.
+        ("retry", 1, 1),
         # A busy retry count that is not a non-negative integer counts as none.
         ("retry", 2, -5),
         ("retry", 2, "9"),

@@ -228,6 +228,10 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
             assert time.monotonic() - started < 1.8
         assert not publish.ran.is_set()
         assert result.info["reason"] == "busy"
+        assert (
+            "is busy: fenced writers kept its row locked past lock_timeout"
+            in (result.info["message"])
+        )
         assert fence.store.metrics.get("rejoin.busy") == 1
         # Nothing was recorded against the holder; once its write committed, a continuation joins.
         assert store.stale_runs() == []

@@ -23,6 +23,7 @@ from celery_fence import validation
 from celery_fence.exceptions import (
     ConfigurationError,
     FenceError,
+    LeaseBusyError,
     LeaseError,
     LeaseHeldError,
     LeaseLostError,
@@ -159,8 +160,10 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
     run = _current.get()
     value: Mapping[str, Any] | None = None
     if run is not None:
-        # Nothing a run publishes waits for an earlier delivery, its own retries included.
+        # Nothing a run publishes waits for an earlier delivery or carries its busy retries, its
+        # own retries included.
         headers.pop(WAITING, None)
+        headers.pop(BUSY_RETRIES, None)
         header = run.header()
         if header is None:
             # A retry's message copies the request's headers: a run that publishes no header
@@ -302,8 +305,11 @@ class Fence:
             "fence_environment": environment,
             "fence_ttl": _seconds_or_none(ttl, "ttl", validation.MAX_TTL_SECONDS),
             "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
-            "fence_min_hold": min_hold
-            and validation.check_seconds(min_hold, "min_hold", maximum=validation.MAX_HOLD_SECONDS),
+            # 0 (or None) for none.
+            "fence_min_hold": _seconds_or_none(
+                min_hold or None, "min_hold", validation.MAX_HOLD_SECONDS
+            )
+            or 0.0,
             "fence_on_busy": on_busy,
             "fence_purpose": purpose,
             "fence_renew_interval": _seconds_or_none(
@@ -623,34 +629,37 @@ class FencedTask(Task):  # type: ignore[misc]
         prefix = f"{self._run_name()}@"
         return prefix if len(prefix) <= validation.MAX_NAME_LENGTH else None
 
-    def earlier_delivery(self, owner: Owner) -> bool:
-        """Whether ``owner`` is a run of this very message, as a redelivery finds it: with
+    def earlier_delivery(self, holder: str) -> bool:
+        """Whether ``holder`` names a run of this very message, as a redelivery finds it: with
         ``acks_late``, after a worker was lost, or after the broker's visibility timeout while
         that run goes on."""
         prefix = self.delivery_prefix()
-        return prefix is not None and owner.holder.startswith(prefix)
+        return prefix is not None and holder.startswith(prefix)
 
     def finished_before(self, owner: Owner) -> bool:
         """Whether this delivery waited for an earlier delivery of its message (see
-        :meth:`waited_for`) that ran to its end: ``owner``, the lease's, released by it."""
-        return (
-            owner.state == "released"
-            and self.waited_for() is not None
-            and self.earlier_delivery(owner)
-        )
+        :meth:`waited_for`) that ran to its end: the epoch it waited for ended released, held
+        by a run of this message. ``owner`` is the lease as it stands now; a pause since, or a
+        newer epoch of another message's, does not hide how that epoch ended."""
+        epoch = self.waited_for()
+        if epoch is None or owner.epoch < epoch:
+            return False
+        if owner.epoch == epoch:
+            return owner.released_at is not None and self.earlier_delivery(owner.holder)
+        since = min(owner.epoch - epoch + 1, validation.MAX_LIMIT)
+        for entry in self.fence.store.history(owner.name, limit=since):
+            if entry.epoch == epoch:
+                return entry.end_reason == "released" and self.earlier_delivery(entry.holder)
+        return False
 
-    def waited_for(self) -> tuple[int, datetime] | None:
-        """The epoch and expiry of the earlier delivery's lease this delivery was retried to
-        wait for (the ``WAITING`` header), if any."""
+    def waited_for(self) -> int | None:
+        """The epoch of the earlier delivery's lease this delivery was retried to wait for (the
+        ``WAITING`` header), if any."""
         value = (self.request.headers or {}).get(WAITING)
-        if not isinstance(value, Mapping):
-            return None
-        try:
-            epoch, expires_at = int(value["epoch"]), datetime.fromisoformat(value["expires_at"])
-        except (TypeError, KeyError, ValueError):
-            return None
-        # Compared with the database's aware times: a time without its zone is unreadable.
-        return None if expires_at.tzinfo is None else (epoch, expires_at)
+        epoch = value.get("epoch") if isinstance(value, Mapping) else None
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 1:
+            return epoch
+        return None
 
     def _earlier_delivery_of(self, got: Acquisition) -> Literal["running", "done"] | None:
         """What became of an earlier delivery of this message that the refused lease names:
@@ -665,7 +674,7 @@ class FencedTask(Task):  # type: ignore[misc]
             return "done"
         if got.outcome != "held" or self.fence_min_hold:
             return None
-        return "running" if owner.held and self.earlier_delivery(owner) else None
+        return "running" if owner.held and self.earlier_delivery(owner.holder) else None
 
     def lease_ttl(self, settings: FenceSettings) -> float:
         """The TTL of the task's lease, its own or the default: what renewals extend it by, for
@@ -735,12 +744,14 @@ class FencedTask(Task):  # type: ignore[misc]
                 message += f"; last held by {who}"
         elif reason == "busy":
             message = (
-                f"{self.name}: lease {name} is busy: fenced writers kept its row locked; it is "
-                f"held by {who} until {until}"
+                f"{self.name}: lease {name} is busy: fenced writers kept its row locked past "
+                f"lock_timeout; last held by {who}"
             )
         else:
             message = f"{self.name}: lease {name} is held by {who} until {until}"
-        error_cls = LeasePausedError if got.outcome == "paused" else LeaseHeldError
+        error_cls = {"paused": LeasePausedError, "busy": LeaseBusyError}.get(
+            got.outcome, LeaseHeldError
+        )
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
         earlier = self._earlier_delivery_of(got)
         if earlier == "done":
@@ -748,23 +759,23 @@ class FencedTask(Task):  # type: ignore[misc]
             # one ends without a state, which would overwrite it.
             self.fence.store.metrics.incr("busy.duplicate")
             log.info(
-                "%s: lease %s was released by an earlier delivery of this message, %s, which "
-                "ran to its end; this delivery is dropped",
+                "%s: an earlier delivery of this message ran to its end under lease %s; this "
+                "delivery is dropped",
                 self.name,
                 name,
-                who,
                 extra={"lease": name},
             )
-            raise Ignore(str(error))
+            raise Ignore(f"{self.name}: an earlier delivery of this message ran to its end")
         if earlier == "running":
             # Skipping would acknowledge the only message left of work whose run may be gone:
             # wait for that run's lease to end, for as long as it holds it (never past its
             # maximum hold), without using up the busy retries.
             assert owner is not None
             self.fence.store.metrics.incr("busy.wait")
-            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
             self._retry_busy(
-                f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
+                f"{message} (an earlier delivery of this message)",
+                error,
+                {WAITING: {"epoch": owner.epoch}},
             )
         self.fence.store.metrics.incr(f"busy.{policy}")
         if policy == "retry" and not self.request.called_directly:
@@ -787,9 +798,11 @@ class FencedTask(Task):  # type: ignore[misc]
         ``headers`` added, and end this delivery in ``RETRY``, as ``Task.retry`` would, but
         without counting a retry of the task's own: ``request.retries`` and ``max_retries``
         are the task's. A message past ``fence_busy_max_retries`` busy retries fails with
-        ``error`` instead."""
+        ``error`` instead, and so does an eager run (``apply()``), whose retry would run again at
+        once rather than at the owner's expiry."""
         settings = self.fence.settings
-        if headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
+        request = self.request
+        if request.is_eager or headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
             raise error
         owner = error.owner
         countdown = 1.0
@@ -797,21 +810,18 @@ class FencedTask(Task):  # type: ignore[misc]
             remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
             countdown = min(max(remaining, 0.5), settings.max_ttl)
         log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": error.lease_name})
-        request = self.request
         signature = self.signature_from_request(
             request,
             countdown=countdown,
             headers={**(request.as_execution_options()["headers"] or {}), **headers},
         )
-        retry = Retry(message, exc=error, when=countdown, is_eager=request.is_eager, sig=signature)
-        if not request.is_eager:
-            try:
-                signature.apply_async()
-            except Exception as exc:
-                # As Task.retry: a message that cannot be sent again is rejected, not lost in
-                # a state that says it was.
-                raise Reject(exc, requeue=False) from exc
-        raise retry
+        try:
+            signature.apply_async()
+        except Exception as exc:
+            # As Task.retry: a message that cannot be sent again is rejected, not lost in a
+            # state that says it was.
+            raise Reject(exc, requeue=False) from exc
+        raise Retry(message, exc=error, when=countdown, sig=signature)
 
     def reject(self, error: LeaseLostError) -> NoReturn:
         """End a continuation whose epoch no longer holds before its body runs."""
