@@ -61,6 +61,11 @@ _OWNER_FIELDS = (
 )  # fmt: skip
 
 
+#: The longest schedule entry name: ``claim_slot``'s action, ``dispatch <entry> for <slot>``, names
+#: it whole within the longest action, with the longest time a slot has (microseconds and an
+#: offset, 32 characters).
+_MAX_ENTRY_LENGTH = validation.MAX_TEXT_LENGTH - len("dispatch  for ") - 32
+
 #: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session``.
 Executor = sa.Connection | Session
 
@@ -848,13 +853,9 @@ class LeaseStore:
         True the first time a slot of ``entry`` is claimed for the lease's schedule, false ever
         after, whoever asks; :class:`StaleEpochError` when ``lease`` no longer holds.
         """
-        when = slot.isoformat()
-        # The action names the entry and the slot: an entry name is short enough for it whole.
-        action = "dispatch {} for " + when
-        limit = validation.MAX_TEXT_LENGTH - len(action.format(""))
         params = {
             "schedule": lease.name,
-            "entry": validation.check_text(entry, "entry", max_length=limit),
+            "entry": validation.check_text(entry, "entry", max_length=_MAX_ENTRY_LENGTH),
             "slot": slot,
             "task": validation.check_text(task, "task", max_length=validation.MAX_TEXT_LENGTH),
             "epoch": lease.epoch,
@@ -864,7 +865,7 @@ class LeaseStore:
         try:
             with (
                 self.engine.begin() as conn,
-                self.guard(lease, conn, action=action.format(entry)),
+                self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
             ):
                 claimed = self._run(_cursor(conn), "claim_slot", params)
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
@@ -945,6 +946,19 @@ class LeaseStore:
             {"name": validation.check_name(name), "limit": self._limit(limit), "now": self._now()},
         )
         return [HistoryEntry(**row) for row in rows]
+
+    def released_by(self, name: str, *, since_epoch: int, holder_prefix: str) -> bool:
+        """Whether an epoch of the lease from ``since_epoch`` on ended released by a holder whose
+        name starts with ``holder_prefix`` (a run of one message, whatever its host)."""
+        (row,) = self._rows(
+            "released_by",
+            {
+                "name": validation.check_name(name),
+                "epoch": validation.check_epoch(since_epoch),
+                "prefix": validation.check_holder(holder_prefix),
+            },
+        )
+        return bool(row["released"])
 
     # -- internals --------------------------------------------------------------------------
 

@@ -79,6 +79,13 @@ SELECT * FROM celery_fence.history(:name, :now) h
 ORDER BY h.epoch DESC
 LIMIT :limit
 
+-- name: released_by
+SELECT EXISTS (
+    SELECT 1 FROM celery_fence.lease_history h
+    WHERE h.name = :name AND h.epoch >= :epoch AND h.end_reason = 'released'
+      AND starts_with(h.holder, :prefix)
+) AS released
+
 -- name: schema_version
 SELECT max(version) AS version FROM celery_fence.migrations
 

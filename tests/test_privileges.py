@@ -132,6 +132,7 @@ def exercise(store: LeaseStore, name: str) -> None:
         conn.execute(sa.text("SELECT 1"))
     assert [run.reason for run in store.stale_runs(lease_name=name)] == ["released"]
     assert [entry.end_reason for entry in store.history(name)] == ["released"]
+    assert store.released_by(name, since_epoch=lease.epoch, holder_prefix="deploy-")
     store.pause(name, reason="investigating", by="ops")
     assert store.resume(name).paused is False
     assert store.owner(name) is not None

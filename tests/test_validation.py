@@ -163,6 +163,9 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "rejoin proof not hex": lambda s: s.rejoin(
         "x", epoch=1, holder="h", mode="join", proof="zz", ttl=10, action="a"
     ),
+    "released_by epoch zero": lambda s: s.released_by("x", since_epoch=0, holder_prefix="t@"),
+    "released_by prefix empty": lambda s: s.released_by("x", since_epoch=1, holder_prefix=""),
+    "released_by name empty": lambda s: s.released_by("", since_epoch=1, holder_prefix="t@"),
     "rejoin ttl nan": lambda s: s.rejoin(
         "x", epoch=1, holder="h", mode="join", proof="00", ttl=math.nan, action="a"
     ),
@@ -228,13 +231,15 @@ def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     """The entry's name goes into the dispatch record and into the action of a stale run; one
     that fits both is claimed, a longer one is refused as an entry before any SQL."""
     slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
-    # "dispatch <entry> for 2030-01-01T00:00:00+00:00" is at most 500 characters.
-    with pytest.raises(ConfigurationError, match=r"^entry must be at most 461 characters"):
-        store.claim_slot(a_lease(), entry="e" * 462, slot=slot, task="tasks.plan")
+    # "dispatch <entry> for 2030-01-01T00:00:00.500000+00:00" is at most 500 characters,
+    # whatever the slot's time.
+    with pytest.raises(ConfigurationError, match=r"^entry must be at most 454 characters"):
+        store.claim_slot(a_lease(), entry="e" * 455, slot=slot, task="tasks.plan")
     assert statements == []
     got = store.acquire("scheduler:plans", holder="beat", ttl=30)
     assert got.lease is not None
-    assert store.claim_slot(got.lease, entry="e" * 461, slot=slot, task="tasks.plan")
+    for at in (slot, slot.replace(microsecond=500_000)):
+        assert store.claim_slot(got.lease, entry="e" * 454, slot=at, task="tasks.plan")
 
 
 BAD_STORES: dict[str, dict[str, Any]] = {

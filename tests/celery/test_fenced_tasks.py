@@ -26,6 +26,7 @@ from celery_fence.contrib.celery import (
     REJECTED,
     SKIPPED,
     Fence,
+    FencedRun,
     FencedTask,
     FenceHeader,
     current_run,
@@ -337,6 +338,8 @@ def test_busy_retries_are_counted_apart_from_the_task_own_retries(
     assert runs == [(0, 1), (1, None), (0, None), (1, None)]
     assert isinstance(busy.result, ValueError)
     assert fence.store.metrics.get("busy.retry") == 1
+    # Nothing was left on the task object, which every thread of a threads pool shares.
+    assert "override_max_retries" not in vars(publish)
 
 
 def test_an_eager_busy_retry_fails_at_once(fence: Fence, store: LeaseStore) -> None:
@@ -352,7 +355,8 @@ def test_an_eager_busy_retry_fails_at_once(fence: Fence, store: LeaseStore) -> N
 
     assert result.state == states.FAILURE
     assert isinstance(result.result, LeaseHeldError)
-    assert fence.store.metrics.get("busy.retry") == 1
+    assert fence.store.metrics.get("busy.raise") == 1
+    assert fence.store.metrics.get("busy.retry") == 0
 
 
 # Each: what became of the earlier delivery while the redelivery waited, the redelivery's end.
@@ -368,6 +372,8 @@ EARLIER_DELIVERY = [
     pytest.param("finished, then paused", None, id="finished then paused"),
     # The same, and another message's run took and released the lease in between.
     pytest.param("finished, then another run", None, id="finished then another run"),
+    # Its worker was lost, and another delivery of the same message then ran to its end.
+    pytest.param("lost, then run elsewhere", None, id="lost then run elsewhere"),
 ]
 
 
@@ -459,7 +465,15 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
             if earlier == "running":
                 store.renew(lease)
                 wait.until(lambda: metrics.get("busy.wait") == 2, what="a second wait")
-            store.release(lease)
+            if earlier == "lost, then run elsewhere":
+                expire_lease(NAME)
+                elsewhere = store.acquire(
+                    NAME, holder=first.replace("@celery@lost-host", "@celery@other-host"), ttl=60
+                ).lease
+                assert elsewhere is not None
+                store.release(elsewhere)
+            else:
+                store.release(lease)
             if earlier == "finished, then paused":
                 store.pause(NAME, reason="incident 42")
             elif earlier == "finished, then another run":
@@ -483,15 +497,69 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         ]
     else:
         assert runs == []
-        another = [(epoch + 1, "another-message@test")] if "another" in earlier else []
+        later = {
+            "finished, then another run": [(epoch + 1, "another-message@test")],
+            "lost, then run elsewhere": [
+                (epoch + 1, first.replace("@celery@lost-host", "@celery@other-host"))
+            ],
+        }.get(earlier, [])
         assert [(entry.epoch, entry.holder) for entry in history] == [
-            *another,
+            *later,
             (epoch, first),
             *before,
         ]
         # The state the wait left: nothing of the dropped redelivery's own.
         assert result.state == states.RETRY
     assert store.stale_runs() == []
+
+
+def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The earlier delivery ran to its end between the redelivery's look at the lease and its
+    acquisition: the redelivery, holding the next epoch, finds that delivery's release in the
+    history, gives the lease back and is dropped."""
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    runs: list[str] = []
+
+    @fence.task(lease="release:{environment}", acks_late=True)
+    def publish(environment: str) -> None:
+        runs.append(environment)
+
+    task_id = str(uuid.uuid4())
+    lease = store.acquire(NAME, holder=f"{publish.name}[{task_id}]@celery@lost-host", ttl=60).lease
+    assert lease is not None
+    looked = Fence._done_before
+
+    def look_then_end(
+        self: Fence, task: FencedTask, name: str, enforced: bool, mode: Any
+    ) -> FencedRun | None:
+        done = looked(self, task, name, enforced, mode)
+        owner = store.owner(NAME)
+        if task.waited_for() is not None and owner is not None and owner.state == "held":
+            store.release(lease)  # the earlier delivery ends now, after the look
+        return done
+
+    monkeypatch.setattr(Fence, "_done_before", look_then_end)
+    with worker():
+        result = publish.apply_async(("prod",), task_id=task_id)
+        wait.until(
+            lambda: fence.store.metrics.get("busy.duplicate") == 1, what="the redelivery dropped"
+        )
+
+    assert runs == []
+    history = store.history(NAME)
+    assert [(entry.epoch, entry.end_reason) for entry in history] == [
+        (2, "released"),
+        (1, "released"),
+    ]
+    assert history[0].holder.startswith(f"{publish.name}[{task_id}]@")
+    assert result.state == states.RETRY
 
 
 def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(

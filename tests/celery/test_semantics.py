@@ -25,6 +25,7 @@ from celery_fence import (
     Acquisition,
     ConfigurationError,
     Lease,
+    LeaseBusyError,
     LeaseLostError,
     LeaseStore,
     StaleEpochError,
@@ -210,9 +211,15 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
     store: LeaseStore,
     engine: Engine,
     wait: Wait,
+    failures: dict[str, BaseException],
 ) -> None:
     app.conf.fence_lock_timeout = 0.2
     publish = probe(on_busy="skip")
+
+    @fence.task(lease="release:{environment}", on_busy="raise")
+    def publish_or_fail(environment: str) -> None:
+        raise AssertionError("the body of a refused run ran")
+
     held = take(store)
     header = FenceHeader.for_lease(held, "resume").to_message()
     with worker():
@@ -226,13 +233,16 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
             assert wait.finished(result) == SKIPPED
             # After fence_lock_timeout (0.2 s), not the default 2 s.
             assert time.monotonic() - started < 1.8
+            failed = publish_or_fail.apply_async(("prod",), headers={HEADER: header})
+            assert wait.finished(failed) == states.FAILURE
         assert not publish.ran.is_set()
+        assert isinstance(failures[failed.id], LeaseBusyError)
         assert result.info["reason"] == "busy"
         assert (
-            "is busy: fenced writers kept its row locked past lock_timeout"
+            "is busy: its row stayed locked by fenced writers or other acquirers"
             in (result.info["message"])
         )
-        assert fence.store.metrics.get("rejoin.busy") == 1
+        assert fence.store.metrics.get("rejoin.busy") == 2
         # Nothing was recorded against the holder; once its write committed, a continuation joins.
         assert store.stale_runs() == []
         again = publish.task.apply_async(("prod",), headers={HEADER: header})

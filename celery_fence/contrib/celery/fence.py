@@ -30,7 +30,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease, Owner
+from celery_fence.models import Acquisition, Lease
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
@@ -45,7 +45,8 @@ RunMode = Literal["owner", "resume", "join"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
 #: A message header on the retry of a delivery that found an earlier delivery of the same message
-#: holding the lease: that lease's epoch and its expiry then (see ``FencedTask.refuse``).
+#: holding the lease: that delivery's epoch, and the lease's expiry then (see
+#: ``FencedTask.refuse``).
 WAITING = "celery_fence_waiting"
 #: A message header counting the busy retries of a message (``fence_busy_max_retries`` bounds
 #: them), apart from the task's own ``request.retries``.
@@ -285,7 +286,7 @@ class Fence:
         environment: str | None = None,
         ttl: float | None = None,
         max_hold: float | None = None,
-        min_hold: float = 0.0,
+        min_hold: float | None = 0.0,
         on_busy: str | None = None,
         purpose: str = "",
         renew_interval: float | None = None,
@@ -306,10 +307,11 @@ class Fence:
             "fence_ttl": _seconds_or_none(ttl, "ttl", validation.MAX_TTL_SECONDS),
             "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
             # 0 (or None) for none.
-            "fence_min_hold": _seconds_or_none(
-                min_hold or None, "min_hold", validation.MAX_HOLD_SECONDS
-            )
-            or 0.0,
+            "fence_min_hold": 0.0
+            if min_hold is None or (type(min_hold) in (int, float) and min_hold == 0)
+            else validation.check_seconds(
+                min_hold, "min_hold", maximum=validation.MAX_HOLD_SECONDS
+            ),
             "fence_on_busy": on_busy,
             "fence_purpose": purpose,
             "fence_renew_interval": _seconds_or_none(
@@ -406,6 +408,11 @@ class Fence:
             )
         except LeasePausedError as exc:
             got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
+        if got.lease is not None and task.finished_before(name, got.lease.epoch):
+            # The earlier delivery this one waited for ran to its end between the look above and
+            # this acquisition: the work is done.
+            self.store.release(got.lease)
+            got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
         if got.lease is None:
             return self._refused(task, name, got, enforced, "owner")
         keeper_store = self.keeper_store
@@ -434,7 +441,7 @@ class Fence:
         if task.waited_for() is None:
             return None
         owner = self.store.owner(name)
-        if owner is None or not task.finished_before(owner):
+        if owner is None or not task.finished_before(name, owner.epoch):
             return None
         done = Acquisition(outcome="held", lease=None, owner=owner)
         return self._refused(task, name, done, enforced, mode)
@@ -636,21 +643,16 @@ class FencedTask(Task):  # type: ignore[misc]
         prefix = self.delivery_prefix()
         return prefix is not None and holder.startswith(prefix)
 
-    def finished_before(self, owner: Owner) -> bool:
+    def finished_before(self, name: str, epoch: int) -> bool:
         """Whether this delivery waited for an earlier delivery of its message (see
-        :meth:`waited_for`) that ran to its end: the epoch it waited for ended released, held
-        by a run of this message. ``owner`` is the lease as it stands now; a pause since, or a
-        newer epoch of another message's, does not hide how that epoch ended."""
-        epoch = self.waited_for()
-        if epoch is None or owner.epoch < epoch:
+        :meth:`waited_for`) that ran to its end: an epoch of the lease from the one it waited
+        for on (``epoch`` is the lease's now) ended released, held by a run of this message. A
+        pause since, or other messages' epochs after it, do not hide it."""
+        waited = self.waited_for()
+        prefix = self.delivery_prefix()
+        if waited is None or prefix is None or epoch < waited:
             return False
-        if owner.epoch == epoch:
-            return owner.released_at is not None and self.earlier_delivery(owner.holder)
-        since = min(owner.epoch - epoch + 1, validation.MAX_LIMIT)
-        for entry in self.fence.store.history(owner.name, limit=since):
-            if entry.epoch == epoch:
-                return entry.end_reason == "released" and self.earlier_delivery(entry.holder)
-        return False
+        return self.fence.store.released_by(name, since_epoch=waited, holder_prefix=prefix)
 
     def waited_for(self) -> int | None:
         """The epoch of the earlier delivery's lease this delivery was retried to wait for (the
@@ -670,7 +672,7 @@ class FencedTask(Task):  # type: ignore[misc]
         owner = got.owner
         if owner is None:
             return None
-        if self.finished_before(owner):
+        if self.finished_before(owner.name, owner.epoch):
             return "done"
         if got.outcome != "held" or self.fence_min_hold:
             return None
@@ -735,7 +737,7 @@ class FencedTask(Task):  # type: ignore[misc]
         until = owner.expires_at.isoformat() if owner else "unknown"
         who = f"{owner.holder} (epoch {owner.epoch})" if owner else "unknown"
         reason = got.outcome
-        if owner is not None and owner.paused:
+        if reason == "paused" and owner is not None:
             message = (
                 f"{self.name}: lease {name} is paused by {owner.paused_by}: {owner.paused_reason}"
             )
@@ -743,15 +745,14 @@ class FencedTask(Task):  # type: ignore[misc]
             if owner.epoch > 0:
                 message += f"; last held by {who}"
         elif reason == "busy":
+            holder = f"{who}, {owner.state}" if owner else "unknown"
             message = (
-                f"{self.name}: lease {name} is busy: fenced writers kept its row locked past "
-                f"lock_timeout; last held by {who}"
+                f"{self.name}: lease {name} is busy: its row stayed locked by fenced writers or "
+                f"other acquirers (holder {holder})"
             )
         else:
             message = f"{self.name}: lease {name} is held by {who} until {until}"
-        error_cls = {"paused": LeasePausedError, "busy": LeaseBusyError}.get(
-            got.outcome, LeaseHeldError
-        )
+        error_cls = {"paused": LeasePausedError, "busy": LeaseBusyError}.get(reason, LeaseHeldError)
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
         earlier = self._earlier_delivery_of(got)
         if earlier == "done":
@@ -766,19 +767,23 @@ class FencedTask(Task):  # type: ignore[misc]
                 extra={"lease": name},
             )
             raise Ignore(f"{self.name}: an earlier delivery of this message ran to its end")
-        if earlier == "running":
+        # Called directly or eagerly (apply()), a retry would run again at once, not at the
+        # owner's expiry: such a run fails instead.
+        retries = not (self.request.called_directly or self.request.is_eager)
+        if earlier == "running" and retries:
             # Skipping would acknowledge the only message left of work whose run may be gone:
             # wait for that run's lease to end, for as long as it holds it (never past its
             # maximum hold), without using up the busy retries.
             assert owner is not None
             self.fence.store.metrics.incr("busy.wait")
+            waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
             self._retry_busy(
-                f"{message} (an earlier delivery of this message)",
-                error,
-                {WAITING: {"epoch": owner.epoch}},
+                f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
             )
+        if policy == "retry" and not retries:
+            policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
-        if policy == "retry" and not self.request.called_directly:
+        if policy == "retry":
             self._retry_busy(message, error, {BUSY_RETRIES: self._busy_retries() + 1})
         if policy == "raise" or self.request.called_directly:
             log.info(message, extra={"lease": name})
@@ -798,11 +803,9 @@ class FencedTask(Task):  # type: ignore[misc]
         ``headers`` added, and end this delivery in ``RETRY``, as ``Task.retry`` would, but
         without counting a retry of the task's own: ``request.retries`` and ``max_retries``
         are the task's. A message past ``fence_busy_max_retries`` busy retries fails with
-        ``error`` instead, and so does an eager run (``apply()``), whose retry would run again at
-        once rather than at the owner's expiry."""
+        ``error`` instead."""
         settings = self.fence.settings
-        request = self.request
-        if request.is_eager or headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
+        if headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
             raise error
         owner = error.owner
         countdown = 1.0
@@ -810,6 +813,7 @@ class FencedTask(Task):  # type: ignore[misc]
             remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
             countdown = min(max(remaining, 0.5), settings.max_ttl)
         log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": error.lease_name})
+        request = self.request
         signature = self.signature_from_request(
             request,
             countdown=countdown,
