@@ -413,6 +413,7 @@ class Fence:
             # this acquisition: the work is done.
             self.store.release(got.lease)
             got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
+            return self._refused(task, name, got, enforced, "owner", done=True)
         if got.lease is None:
             return self._refused(task, name, got, enforced, "owner")
         keeper_store = self.keeper_store
@@ -444,15 +445,23 @@ class Fence:
         if owner is None or not task.finished_before(name, owner.epoch):
             return None
         done = Acquisition(outcome="held", lease=None, owner=owner)
-        return self._refused(task, name, done, enforced, mode)
+        return self._refused(task, name, done, enforced, mode, done=True)
 
     def _refused(
-        self, task: FencedTask, name: str, got: Acquisition, enforced: bool, mode: RunMode
+        self,
+        task: FencedTask,
+        name: str,
+        got: Acquisition,
+        enforced: bool,
+        mode: RunMode,
+        *,
+        done: bool = False,
     ) -> FencedRun:
-        """A run the lease was refused to: the task's busy policy applies, or, in shadow mode,
-        the run goes ahead unfenced, logged and counted."""
+        """A run the lease was refused to: the task's busy policy applies (``done``: an earlier
+        delivery of its message ran to its end, see :meth:`FencedTask.refuse`), or, in shadow
+        mode, the run goes ahead unfenced, logged and counted."""
         if enforced:
-            task.refuse(name, got)
+            task.refuse(name, got, done=done)
         log.warning(
             "shadow mode: %s would have been refused lease %s (%s); running anyway",
             task.name,
@@ -663,20 +672,14 @@ class FencedTask(Task):  # type: ignore[misc]
             return epoch
         return None
 
-    def _earlier_delivery_of(self, got: Acquisition) -> Literal["running", "done"] | None:
-        """What became of an earlier delivery of this message that the refused lease names:
-        ``running`` while it holds the lease (its run may be gone: the lease tells once it
-        expires), ``done`` once a delivery that waited for it finds it released (it ran to its
-        end). ``None`` for a lease another message holds, and for a task with ``min_hold``,
-        whose lease is kept on purpose after a finished run."""
+    def _held_by_an_earlier_delivery(self, got: Acquisition) -> bool:
+        """Whether the refused lease is held by an earlier delivery of this message (whose run
+        may be gone: the lease tells once it expires). Not for a task with ``min_hold``, whose
+        lease is kept on purpose after a finished run."""
         owner = got.owner
-        if owner is None:
-            return None
-        if self.finished_before(owner.name, owner.epoch):
-            return "done"
-        if got.outcome != "held" or self.fence_min_hold:
-            return None
-        return "running" if owner.held and self.earlier_delivery(owner.holder) else None
+        if owner is None or got.outcome != "held" or self.fence_min_hold:
+            return False
+        return owner.held and self.earlier_delivery(owner.holder)
 
     def lease_ttl(self, settings: FenceSettings) -> float:
         """The TTL of the task's lease, its own or the default: what renewals extend it by, for
@@ -728,10 +731,10 @@ class FencedTask(Task):  # type: ignore[misc]
                 f"{hold:g}s{bound}, so the lease would end before the task could"
             )
 
-    def refuse(self, name: str, got: Acquisition) -> NoReturn:
+    def refuse(self, name: str, got: Acquisition, *, done: bool = False) -> NoReturn:
         """Apply the busy policy to a refused acquisition: skip, retry or raise. A redelivery
         whose earlier delivery holds the lease waits for it whatever the policy, and is dropped
-        once that delivery ran to its end."""
+        once that delivery ran to its end (``done``, as :meth:`finished_before` found)."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -754,8 +757,7 @@ class FencedTask(Task):  # type: ignore[misc]
             message = f"{self.name}: lease {name} is held by {who} until {until}"
         error_cls = {"paused": LeasePausedError, "busy": LeaseBusyError}.get(reason, LeaseHeldError)
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
-        earlier = self._earlier_delivery_of(got)
-        if earlier == "done":
+        if done:
             # That delivery did the work and stored its result under this same task id: this
             # one ends without a state, which would overwrite it.
             self.fence.store.metrics.incr("busy.duplicate")
@@ -770,7 +772,7 @@ class FencedTask(Task):  # type: ignore[misc]
         # Called directly or eagerly (apply()), a retry would run again at once, not at the
         # owner's expiry: such a run fails instead.
         retries = not (self.request.called_directly or self.request.is_eager)
-        if earlier == "running" and retries:
+        if retries and self._held_by_an_earlier_delivery(got):
             # Skipping would acknowledge the only message left of work whose run may be gone:
             # wait for that run's lease to end, for as long as it holds it (never past its
             # maximum hold), without using up the busy retries.
