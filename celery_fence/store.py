@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import os
 import re
+import select
 import threading
 import time
 import weakref
@@ -218,9 +219,15 @@ class _Connections:
                     f"all {self._limit} protocol connections stayed busy for {self._timeout:g} s"
                 )
             generation = self._generation
-            if self._idle:
-                return self._idle.pop(), generation
-            self._count += 1
+            cursor = self._idle.pop() if self._idle else None
+            if cursor is None:
+                self._count += 1
+        if cursor is not None:
+            if _quiet(cursor.connection):
+                return cursor, generation
+            # Ended by the server while it waited (a terminated backend, an idle session
+            # timeout, a restart): opened anew in its place.
+            cursor.connection.close()
         try:
             return self._open().cursor(), generation
         except BaseException:
@@ -268,6 +275,19 @@ class _Connections:
             return
         for cursor in idle:
             cursor.connection.close()
+
+
+def _quiet(connection: Any) -> bool:
+    """Whether an idle protocol connection has nothing to read. It listens to no channel and
+    sends no query, so anything the server sent it since (the error that ends a terminated
+    session, before the socket closes) means it is not to be used again."""
+    socket = connection.pgconn.socket
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(socket, select.POLLIN)
+        return not poller.poll(0)
+    readable, _, _ = select.select([socket], [], [], 0)
+    return not readable
 
 
 # Every store's connections, so that a forked child sets its parent's aside before any use.

@@ -1051,3 +1051,37 @@ def test_a_waiting_acquisition_looks_again_when_the_lease_runs_out(
     assert got.lease is not None
     assert got.lease.epoch == held.epoch + 1
     assert time.monotonic() - started < 10
+
+
+def _end_session(engine: Engine, pid: int) -> None:
+    """End one backend as an administrator (or a failover) would, and wait until it is gone."""
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+        deadline = time.monotonic() + 10
+        while conn.execute(
+            sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
+        ).scalar_one():
+            assert time.monotonic() < deadline, f"backend {pid} did not end"
+            time.sleep(0.01)
+
+
+def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
+    store: LeaseStore, engine: Engine, protected: Engine, expire_lease: Callable[[str], None]
+) -> None:
+    lease = held(store.acquire(NAME, holder="a", ttl=30, environment="prod"))
+    with store.protocol_connection() as connection:
+        ended = connection.info.backend_pid
+    _end_session(engine, ended)
+    # The next call opens a connection in its place rather than fail on the dead one.
+    assert store.renew(lease).epoch == lease.epoch
+    with store.protocol_connection() as connection:
+        assert connection.info.backend_pid != ended
+        replaced = connection.info.backend_pid
+    # A rejected write is still recorded when the connection it is recorded on was ended.
+    expire_lease(NAME)
+    _end_session(engine, replaced)
+    with pytest.raises(StaleEpochError, match="expired"):
+        fenced_update(store, lease, "stale", "publish")
+    assert protected_value(engine) == "initial"
+    [record] = store.stale_runs(environment="prod")
+    assert (record.reason, record.action, record.stale_epoch) == ("expired", "publish", 1)
