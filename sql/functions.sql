@@ -352,9 +352,19 @@ $$;
 
 -- The idle_in_transaction_session_timeout, in milliseconds as set_config takes it, after which
 -- the server ends a session left idle in a transaction fenced by a lease expiring at p_expires_at.
+-- The idle limit of a transaction fenced by a lease expiring at p_expires_at: the time left
+-- until then, unless the limit in force is shorter (the session's own, or one an earlier fence
+-- in the transaction set for a lease that expires sooner).
 CREATE OR REPLACE FUNCTION celery_fence.idle_limit(p_expires_at timestamptz)
 RETURNS text LANGUAGE sql VOLATILE AS $$
-    SELECT celery_fence.timeout_ms(p_expires_at - clock_timestamp())
+    SELECT celery_fence.timeout_ms(CASE
+        WHEN v.in_force > interval '0' THEN least(v.in_force, v.left_until)
+        ELSE v.left_until
+    END)
+    FROM (
+        SELECT current_setting('idle_in_transaction_session_timeout')::interval AS in_force,
+               p_expires_at - clock_timestamp() AS left_until
+    ) v
 $$;
 
 -- Lock the lease row FOR SHARE in the caller's transaction and say whether (epoch, token) still

@@ -100,6 +100,46 @@ def test_guard_commits_writes_while_held(store: LeaseStore, protected: Engine, k
     assert store.metrics.get("guard.committed") == 1
 
 
+def idle_limit_ms(conn: sa.Connection) -> int:
+    """The ``idle_in_transaction_session_timeout`` in force on ``conn``, in milliseconds."""
+    return int(
+        conn.exec_driver_sql(
+            "SELECT setting FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'"
+        ).scalar_one()
+    )
+
+
+def test_a_fence_limits_idleness_to_its_leases_time_left_and_never_loosens_a_limit(
+    store: LeaseStore, protected: Engine
+) -> None:
+    later = acquire(store, "release-41", ttl=600)
+    soon = store.acquire("release:soon", holder="release-42", ttl=5).lease
+    assert soon is not None
+    with protected.begin() as conn:
+        with store.guard(later, conn, action="first"):
+            conn.execute(UPDATE, {"value": "first"})
+        assert 590_000 < idle_limit_ms(conn) <= 600_000
+        with store.guard(soon, conn, action="second"):
+            conn.execute(UPDATE, {"value": "second"})
+        assert 0 < idle_limit_ms(conn) <= 5_000
+        # A later fence on the longer lease keeps the shorter limit: a stalled writer must not
+        # hold the lease expiring first past its expiry.
+        with store.guard(later, conn, action="third"):
+            conn.execute(UPDATE, {"value": "third"})
+        assert 0 < idle_limit_ms(conn) <= 5_000
+    with protected.connect() as conn:
+        # The session's own limit, shorter than the lease's time left, stays in force.
+        conn.exec_driver_sql("SET idle_in_transaction_session_timeout = '1s'")
+        conn.commit()
+        with conn.begin():
+            with store.guard(later, conn, action="fourth"):
+                conn.execute(UPDATE, {"value": "fourth"})
+            assert idle_limit_ms(conn) == 1_000
+        conn.exec_driver_sql("RESET idle_in_transaction_session_timeout")
+        conn.commit()
+    assert committed_values(protected) == ["initial", "first", "second", "third", "fourth"]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_guard_fences_every_transaction_of_a_pooled_connection_also_after_a_reconnect(
     store: LeaseStore, protected: Engine, database_url: str, kind: str
