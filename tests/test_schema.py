@@ -311,6 +311,16 @@ SUPERSEDED_SIGNATURES = [
         "p_environment text, p_successor text, p_delivery_prefix text",
         id="rejoin without its environment, successor and delivery prefix",
     ),
+    pytest.param(
+        "bound_lock_wait",
+        "p_wait interval",
+        8,
+        # A renewal with a lock timeout of its own calls bound_lock_wait with one interval.
+        "SELECT outcome, reason FROM celery_fence.renew("
+        "'x', 1, gen_random_uuid(), interval '9 s', p_lock_timeout => interval '1 s')",
+        "p_wait interval, p_since timestamp with time zone",
+        id="bound_lock_wait without the wait's start",
+    ),
 ]
 
 
@@ -353,6 +363,43 @@ def test_upgrading_leaves_one_signature_of_a_function(
     finally:
         engine.dispose()
     assert arguments.endswith(arguments_end)
+
+
+def test_upgrading_adds_the_sharers_column_where_the_first_schema_lacked_it(
+    empty_database_url: str,
+) -> None:
+    """Early installs of schema 1 created the lease table without ``sharers``; a release, which
+    counts them down, failed on such a database until the upgrade added it."""
+    install(empty_database_url)
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("ALTER TABLE celery_fence.leases DROP COLUMN sharers")
+            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version >= 8")
+        assert install(empty_database_url) == _sql.latest_version()
+        with engine.connect() as conn:
+            column = conn.exec_driver_sql(
+                "SELECT data_type, column_default, is_nullable FROM information_schema.columns"
+                " WHERE table_schema = 'celery_fence' AND table_name = 'leases'"
+                " AND column_name = 'sharers'"
+            ).one()
+            checks = conn.exec_driver_sql(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+                " WHERE conrelid = 'celery_fence.leases'::regclass AND contype = 'c'"
+            ).scalars()
+            assert "CHECK ((sharers >= 0))" in list(checks)
+    finally:
+        engine.dispose()
+    assert tuple(column) == ("integer", "1", "NO")
+    store = LeaseStore.from_url(empty_database_url)
+    try:
+        lease = store.acquire("release:prod", holder="a", ttl=30).lease
+        assert lease is not None
+        assert store.release(lease) == "released"
+    finally:
+        store.dispose()
 
 
 # -- the printed script is what install runs -----------------------------------------------------
