@@ -123,6 +123,86 @@ def test_a_base_of_celery_is_combined_with_the_fence(
         fence.task(lease="release", base=object)
 
 
+def test_without_base_a_fenced_task_keeps_the_apps_own_task_class(
+    celery_config: dict[str, Any], store: LeaseStore
+) -> None:
+    # As Django's fixup sets task_cls to DjangoTask, for one.
+    app = Celery("celery-fence-task-cls", set_as_current=False, task_cls=AuditedTask)
+    app.conf.update(celery_config)
+    fence = Fence(app, store=store)
+
+    @fence.task(lease="release:{environment}", audited=[])
+    def publish(environment: str) -> int | None:
+        return fence.current().epoch
+
+    try:
+        assert isinstance(publish, FencedTask)
+        assert isinstance(publish, AuditedTask)
+        result = publish.apply(args=("prod",))
+    finally:
+        app.close()
+    assert result.get() == 1
+    assert publish.audited == [result.id]
+
+
+@pytest.mark.parametrize(
+    ("template", "argument", "error"),
+    [
+        ("orders:{order.id}", {"id": 7}, "AttributeError"),
+        ("orders:{order[id]}", [7], "TypeError"),
+    ],
+)
+def test_a_template_that_cannot_be_filled_is_a_configuration_error(
+    fence: Fence, store: LeaseStore, template: str, argument: object, error: str
+) -> None:
+    @fence.task(lease=template, name=f"orders-{error}")
+    def ship(order: object) -> str:
+        return "shipped"
+
+    result = ship.apply(args=(argument,))
+    assert result.state == states.FAILURE
+    assert isinstance(result.result, ConfigurationError)
+    assert f"cannot fill the lease template {template!r}" in str(result.result)
+    assert error in str(result.result)
+    assert store.leases() == []
+
+
+def test_a_run_that_cannot_go_on_after_its_acquisition_gives_the_lease_back(
+    fence: Fence, store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran = threading.Event()
+
+    @fence.task(lease=NAME, ttl=60)
+    def publish() -> None:
+        ran.set()
+
+    def no_thread(self: Any) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr("celery_fence.contrib.celery.fence.LeaseKeeper.start", no_thread)
+    result = publish.apply()
+    assert result.state == states.FAILURE
+    assert "can't start new thread" in str(result.result)
+    assert not ran.is_set()
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "released")
+
+
+def test_an_impossible_renew_interval_fails_the_run_before_it_takes_the_lease(
+    fence: Fence, store: LeaseStore
+) -> None:
+    @fence.task(lease=NAME, ttl=60, renew_interval=59)
+    def publish() -> None:
+        pass
+
+    result = publish.apply()
+    assert result.state == states.FAILURE
+    assert isinstance(result.result, ConfigurationError)
+    assert "renew interval 59s" in str(result.result)
+    assert store.leases() == []
+
+
 def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
     def body() -> None:
         pass

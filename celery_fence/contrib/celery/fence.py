@@ -324,8 +324,11 @@ class Fence:
         # shared=True, would also register it in every app created later, running there under
         # this one's fence.
         options.setdefault("shared", False)
+        # Without base=, the app's own task class (its task_cls, such as Django's DjangoTask),
+        # as Celery would use.
+        base = _fenced_base(options.pop("base", None) or self.app.Task)
         decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
-            base=_fenced_base(options.pop("base", None)), **attributes, **options
+            base=base, **attributes, **options
         )
         return decorator
 
@@ -381,6 +384,10 @@ class Fence:
                 extra={"lease": lease.name, "epoch": lease.epoch},
             )
             return
+        self._release(lease)
+
+    def _release(self, lease: Lease) -> None:
+        """Release ``lease`` at the end of a run; a release that fails leaves it to expire."""
         try:
             self.store.release(lease)
         except LeaseLostError:
@@ -394,6 +401,7 @@ class Fence:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = task.lease_ttl(settings)
+        interval = task.renew_interval(settings, ttl)
         done = self._done_before(task, name, enforced, "owner")
         if done is not None:
             return done
@@ -408,13 +416,8 @@ class Fence:
             )
         except LeasePausedError as exc:
             got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
-        if got.lease is not None and task.finished_before(name, got.lease.epoch):
-            # The earlier delivery this one waited for ran to its end between the look above and
-            # this acquisition: the work is done.
-            self.store.release(got.lease)
-            got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
-            return self._refused(task, name, got, enforced, "owner", done=True)
-        if got.lease is None:
+        lease = got.lease
+        if lease is None:
             return self._refused(task, name, got, enforced, "owner")
         keeper_store = self.keeper_store
 
@@ -423,7 +426,19 @@ class Fence:
             # the run goes on, and never past min_hold after it was taken once the run ends.
             return keeper_store.renew(lease, ttl=ttl)
 
-        keeper = LeaseKeeper(got.lease, renew, interval=task.renew_interval(settings, ttl)).start()
+        try:
+            # The earlier delivery this one waited for may have run to its end between the look
+            # above and this acquisition: then the work is done.
+            finished = task.finished_before(name, lease.epoch)
+            keeper = None if finished else LeaseKeeper(lease, renew, interval=interval).start()
+        except BaseException:
+            # A run that cannot go on does not keep the lease until it expires.
+            self._release(lease)
+            raise
+        if keeper is None:
+            self.store.release(lease)
+            got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
+            return self._refused(task, name, got, enforced, "owner", done=True)
         return FencedRun(
             store=self.store,
             mode="owner",
@@ -877,10 +892,9 @@ def _awaited_by_a_chord(request: Any) -> bool:
 
 
 def _fenced_base(base: object) -> type[FencedTask]:
-    """The class of a fenced task declared with Celery's ``base=``: one deriving from both
-    :class:`FencedTask` and that base, so that the fence wraps what the base adds."""
-    if base is None:
-        return FencedTask
+    """The class of a fenced task whose base (Celery's ``base=``, else the app's task class) is
+    ``base``: one deriving from both :class:`FencedTask` and that base, so that the fence wraps
+    what the base adds."""
     if not isinstance(base, type) or not issubclass(base, Task):
         raise ConfigurationError(f"base must be a subclass of celery.Task, got {base!r}")
     if issubclass(base, FencedTask):
@@ -891,7 +905,7 @@ def _fenced_base(base: object) -> type[FencedTask]:
 def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
     try:
         return template.format_map(arguments)
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
         raise ConfigurationError(
             f"cannot fill the {what} template {template!r} from the task's arguments: {exc!r}"
         ) from exc
