@@ -40,16 +40,16 @@ def check_text(value: object, what: str, *, max_length: int, allow_empty: bool =
     return value
 
 
-def check_name(value: object) -> str:
-    return check_text(value, "lease name", max_length=MAX_NAME_LENGTH)
+def check_name(value: object, what: str = "lease name") -> str:
+    return check_text(value, what, max_length=MAX_NAME_LENGTH)
 
 
 def check_holder(value: object) -> str:
     return check_text(value, "holder", max_length=MAX_NAME_LENGTH)
 
 
-def check_environment(value: object) -> str:
-    return check_text(value, "environment", max_length=MAX_ENVIRONMENT_LENGTH)
+def check_environment(value: object, what: str = "environment") -> str:
+    return check_text(value, what, max_length=MAX_ENVIRONMENT_LENGTH)
 
 
 def check_epoch(value: object) -> int:

@@ -114,6 +114,21 @@ def test_defaults_and_enforcement_per_environment() -> None:
             r"fence_enforcement\['prod'\] must be one of enforce, shadow, off",
             id="bad enforcement for one environment",
         ),
+        pytest.param(
+            {"fence_enforcement": {" prod": "enforce"}},
+            r"^fence_enforcement key ' prod' must not start or end with whitespace",
+            id="bad environment in enforcement",
+        ),
+        pytest.param(
+            {"fence_environment": ""},
+            r"^fence_environment must not be empty$",
+            id="empty environment",
+        ),
+        pytest.param(
+            {"fence_beat_lease": ""},
+            r"^fence_beat_lease must not be empty$",
+            id="empty beat lease",
+        ),
     ],
 )
 def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> None:
@@ -217,6 +232,21 @@ def test_embedded_worker_refuses_to_start_with_impossible_timings(
 
     refused = pytest.raises(ConfigurationError, match=r"renew interval 9.5s must be shorter")
     with refused, worker():
+        pytest.fail("the worker started")
+
+
+def test_a_worker_time_limit_over_a_tasks_max_hold_is_refused_at_startup(
+    app: Celery, fence: Fence, worker: StartWorker
+) -> None:
+    @fence.task(lease="release:{environment}", max_hold=3600)
+    def publish(environment: str) -> None:
+        """Never runs: the worker does not start."""
+
+    # celery worker --time-limit=7200, not task_time_limit.
+    refused = pytest.raises(
+        ConfigurationError, match=r"time limit 7200s exceeds the lease's maximum hold 3600s"
+    )
+    with refused, worker(time_limit=7200):
         pytest.fail("the worker started")
 
 

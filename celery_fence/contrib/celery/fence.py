@@ -191,7 +191,9 @@ class FenceWorkerStep(bootsteps.Step):  # type: ignore[misc]
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        Fence.of(worker.app).check_startup()
+        # The worker's own time limit (--time-limit, else task_time_limit) bounds every task
+        # that sets none.
+        Fence.of(worker.app).check_startup(time_limit=worker.time_limit)
 
 
 class Fence:
@@ -253,13 +255,15 @@ class Fence:
                 self._keeper_store = store.dedicated()
             return self._keeper_store
 
-    def check_startup(self) -> None:
+    def check_startup(self, *, time_limit: float | None = None) -> None:
         """Validate settings and fenced tasks, and check the schema answers. Called at worker
-        start; raises :class:`ConfigurationError` or a database error naming the problem."""
+        start, with the worker's time limit (``time_limit``); raises
+        :class:`ConfigurationError` or a database error naming the problem."""
         settings = self.settings
+        # Every fenced task of the app, also one declared on an earlier Fence of it.
         for task in self.app.tasks.values():
-            if isinstance(task, FencedTask) and task.fence is self:
-                task.check_timing(settings)
+            if isinstance(task, FencedTask):
+                task.check_timing(settings, time_limit)
         self.store.check_schema()
         log.info(
             "celery-fence ready: environment %s, enforcement %s",
@@ -714,10 +718,11 @@ class FencedTask(Task):  # type: ignore[misc]
             self.name,
         )
 
-    def check_timing(self, settings: FenceSettings) -> None:
+    def check_timing(self, settings: FenceSettings, time_limit: float | None = None) -> None:
         """Reject timings that cannot work: a TTL above the maximum or above the maximum hold,
         a renew interval that cannot keep the lease, a time limit longer than the maximum hold
-        (without one, the bound the database puts on every lease)."""
+        (without one, the bound the database puts on every lease). The task's time limit is
+        its own, else ``time_limit`` (the worker's), else ``task_time_limit``."""
         ttl = validation.check_seconds(
             self.lease_ttl(settings),
             f"{self.name} ttl",
@@ -738,7 +743,7 @@ class FencedTask(Task):  # type: ignore[misc]
             hold = validation.check_max_hold(
                 max_hold, taken_for, what=f"{self.name} max_hold", ttl_what="the lease's ttl"
             )
-        time_limit = self.time_limit or self.app.conf.task_time_limit
+        time_limit = self.time_limit or time_limit or self.app.conf.task_time_limit
         if time_limit is not None and time_limit > hold:
             bound = "" if max_hold is not None else " (the longer of its ttl and a day)"
             raise ConfigurationError(

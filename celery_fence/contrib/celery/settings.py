@@ -151,7 +151,7 @@ class FenceSettings:
                 enforcement_conf.get("*", "enforce"), "fence_enforcement['*']", ENFORCEMENT_MODES
             )
             per_environment = {
-                validation.check_environment(env): cast(
+                validation.check_environment(env, f"fence_enforcement key {env!r}"): cast(
                     Enforcement,
                     validation.check_choice(mode, f"fence_enforcement[{env!r}]", ENFORCEMENT_MODES),
                 )
@@ -169,7 +169,7 @@ class FenceSettings:
             raise ConfigurationError("fence_database_url must be a database URL string")
         return cls(
             database_url=database_url,
-            environment=validation.check_environment(get("fence_environment")),
+            environment=validation.check_environment(get("fence_environment"), "fence_environment"),
             enforcement=per_environment,
             default_enforcement=cast(Enforcement, default),
             default_ttl=default_ttl,
@@ -184,7 +184,11 @@ class FenceSettings:
                 OnBusy, validation.check_choice(get("fence_on_busy"), "fence_on_busy", ON_BUSY)
             ),
             busy_max_retries=retries,
-            beat_lease=None if beat_lease is None else validation.check_name(beat_lease),
+            beat_lease=(
+                None
+                if beat_lease is None
+                else validation.check_name(beat_lease, "fence_beat_lease")
+            ),
             beat_ttl=beat_ttl,
             beat_renew_interval=beat_renew,
         )
