@@ -130,12 +130,18 @@ def test_child_on_the_parent_lease_continues_the_run(
 
 def canvas_of(kind: str, step: Any, collect: Any, environment: str) -> Any:
     """Three steps as a group, a chain (each link published by the worker after the one before
-    it) or a chord (whose callback the worker publishes after the last part)."""
+    it), a chord (whose callback the worker publishes after the last part), a starmap or two
+    chunks."""
     steps = [step.si(environment, n) for n in range(3)]
     if kind == "group":
         return group(steps)
     if kind == "chain":
         return chain(*steps)
+    # celery.starmap calls each item as a function, in its own run; chunks are starmaps.
+    if kind == "starmap":
+        return step.starmap([(environment, n) for n in range(3)])
+    if kind == "chunks":
+        return step.chunks([(environment, n) for n in range(3)], 2)
     return chord(steps, collect.s(environment))
 
 
@@ -185,7 +191,24 @@ def test_an_eager_child_continues_its_parent_run(
     assert store.stale_runs() == []
 
 
-@pytest.mark.parametrize("kind", ["group", "chain", "chord"])
+def test_a_child_called_as_a_function_in_its_parents_run_shares_its_epoch(
+    fence: Fence, store: LeaseStore
+) -> None:
+    @fence.task(lease="release:{environment}")
+    def child(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    @fence.task(lease="release:{environment}")
+    def parent(environment: str) -> list[Any]:
+        return [fence.current().epoch, child(environment)]
+
+    assert parent.apply(("prod",)).get() == [1, ["resume", 1]]
+    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("kind", ["group", "chain", "chord", "starmap", "chunks"])
 def test_canvas_members_started_while_the_parent_holds_share_its_epoch(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str
 ) -> None:

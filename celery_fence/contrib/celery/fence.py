@@ -367,6 +367,13 @@ class Fence:
             return FencedRun(store=self.store, mode="owner", enforced=False)
         enforced = enforcement == "enforce"
         value = _header_of(task.request)
+        if value is None and task.request.called_directly:
+            # Called as a function (celery.starmap and chunks call each item so) inside a fenced
+            # run, or inside a task one published: it continues that run, as a task published
+            # from there would.
+            passed_on: dict[str, Any] = {}
+            _add_header(passed_on)
+            value = passed_on.get(HEADER)
         if value is not None:
             run = self._continue(task, value, arguments, environment, enforced)
             if run is not None:
