@@ -249,6 +249,44 @@ def test_a_former_leader_that_leads_again_sends_nothing_its_successor_sent(
             second.close()
 
 
+def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    clocked_app.conf.fence_beat_max_hold = 120
+    with freeze_time("2030-01-01T09:59:30+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            assert "held at most 120s at one epoch" in beat.info
+            beat.tick()
+            assert beat.lease is not None
+            assert beat.lease.hold_until - beat.lease.acquired_at == timedelta(seconds=120)
+            epochs = []
+            # Tick every second for five minutes, as a running beat does: the lease is never
+            # found missing, and every two-minute slot goes out once.
+            for _ in range(300):
+                frozen.tick(1)
+                beat.tick()
+                assert beat.lease is not None
+                epochs.append(beat.lease.epoch)
+        finally:
+            beat.close()
+    assert sorted(set(epochs)) == [1, 2, 3]
+    history = fake_store.history(beat.lease_name)
+    # Each epoch was given up before its maximum hold ran out, and taken over at once.
+    assert [(entry.epoch, entry.end_reason) for entry in history] == [
+        (3, "released"),
+        (2, "released"),
+        (1, "released"),
+    ]
+    assert all(entry.ended_at < entry.acquired_at + timedelta(seconds=120) for entry in history)
+    dispatched = fake_store.dispatches(beat.lease_name)
+    assert sorted(d.slot.strftime("%H:%M") for d in dispatched) == [
+        "10:00",
+        "10:02",
+        "10:04",
+    ]
+
+
 def test_a_leader_whose_renewals_fail_retries_at_a_pace_until_its_deadline_then_steps_down(
     app: Celery,
     scheduler: NewScheduler,

@@ -60,6 +60,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.holder = f"beat@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.ttl = settings.beat_ttl
         self.renew_interval = settings.beat_renew_interval
+        self.max_hold = settings.beat_max_hold
         self.lease: Lease | None = None
         self.highest_epoch = 0
         self.halted: str | None = None
@@ -72,7 +73,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
     def info(self) -> str:
         return (
             f"    . lease -> {self.lease_name} (ttl {self.ttl:g}s, renew every "
-            f"{self.renew_interval:g}s, environment {self.fence.settings.environment})\n"
+            f"{self.renew_interval:g}s, held at most {self.max_hold:g}s at one epoch, "
+            f"environment {self.fence.settings.environment})\n"
             f"    . holder -> beat@{socket.gethostname()}:{os.getpid()} (and a nonce per start)"
         )
 
@@ -88,17 +90,39 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return min(interval, self._until_renewal())
 
     def lead(self) -> None:
-        """Renew the lease when due, or try to take it; step down or halt as the answers say."""
-        if self.lease is not None:
-            if self._until_renewal() <= 0 or not self.lease.trusted:
+        """Renew the lease when due, or try to take it; step down or halt as the answers say.
+        A leader whose maximum hold would run out before its next renewal gives the lease up
+        and takes it again at the next epoch, so that no slot passes while nobody leads."""
+        lease = self.lease
+        if lease is not None:
+            if self._until_renewal() <= 0 or not lease.trusted:
                 self._renew()
-            return
+            lease = self.lease
+            if (
+                lease is None
+                or lease.expires_at < lease.hold_until
+                or lease.remaining() > self.renew_interval
+            ):
+                return
+            log.info(
+                "beat lease %s reaches its maximum hold at epoch %d: taking the next epoch",
+                self.lease_name,
+                lease.epoch,
+                extra={"lease": self.lease_name, "epoch": lease.epoch},
+            )
+            self.lease = None
+            try:
+                self.fence.store.release(lease)
+            except (LeaseLostError, FenceDatabaseError) as exc:
+                self._standby(f"gave up epoch {lease.epoch} at its maximum hold: {exc}")
+                return
         try:
             got = self.fence.store.acquire(
                 self.lease_name,
                 holder=self.holder,
                 ttl=self.ttl,
                 environment=self.fence.settings.environment,
+                max_hold=self.max_hold,
                 purpose="celery beat",
             )
         except LeasePausedError as exc:

@@ -32,6 +32,7 @@ DEFAULTS: dict[str, Any] = {
     "fence_beat_lease": None,
     "fence_beat_ttl": 15.0,
     "fence_beat_renew_interval": None,
+    "fence_beat_max_hold": validation.MAX_HOLD_SECONDS,
 }
 
 
@@ -94,6 +95,7 @@ class FenceSettings:
     beat_lease: str | None
     beat_ttl: float
     beat_renew_interval: float
+    beat_max_hold: float
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any], namespace: str | None = None) -> FenceSettings:
@@ -134,6 +136,12 @@ class FenceSettings:
             safety_margin,
             "fence_beat_ttl",
             "fence_beat_renew_interval",
+        )
+        beat_max_hold = validation.check_max_hold(
+            get("fence_beat_max_hold"),
+            beat_ttl,
+            what="fence_beat_max_hold",
+            ttl_what="fence_beat_ttl",
         )
         retries = get("fence_busy_max_retries")
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -191,6 +199,7 @@ class FenceSettings:
             ),
             beat_ttl=beat_ttl,
             beat_renew_interval=beat_renew,
+            beat_max_hold=beat_max_hold,
         )
 
     def enforcement_for(self, environment: str) -> Enforcement:
