@@ -71,8 +71,23 @@ _MAX_ENTRY_LENGTH = validation.MAX_TEXT_LENGTH - len("dispatch  for ") - 32
 Executor = sa.Connection | Session
 
 
+#: libpq connection parameters :func:`engine_from_url` sets unless the URL or ``connect_args``
+#: give their own: a server that accepts the connection but never answers fails it in seconds,
+#: and a peer gone silent (a partition, a host that died) is noticed by TCP keepalives instead
+#: of leaving a call waiting for an answer, and its caller (a run's end, the renewals of every
+#: lease in the process) with it, for as long as the kernel's defaults allow (hours).
+CONNECT_DEFAULTS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
 def engine_from_url(url: str, **kwargs: Any) -> Engine:
-    """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL."""
+    """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL, with
+    :data:`CONNECT_DEFAULTS` for the connection parameters neither gives."""
     try:
         parsed = make_url(url)
     except (sa.exc.ArgumentError, ValueError) as exc:
@@ -83,8 +98,10 @@ def engine_from_url(url: str, **kwargs: Any) -> Engine:
         raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
+    given = dict(kwargs.pop("connect_args", None) or {})
+    defaults = {k: v for k, v in CONNECT_DEFAULTS.items() if k not in parsed.query}
     try:
-        return sa.create_engine(parsed, **kwargs)
+        return sa.create_engine(parsed, connect_args={**defaults, **given}, **kwargs)
     except (sa.exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(f"no database driver for {parsed.drivername!r}: {exc}") from exc
 

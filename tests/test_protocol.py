@@ -12,6 +12,8 @@ import hmac
 import logging
 import multiprocessing
 import os
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -38,6 +40,7 @@ from celery_fence import (
     StaleEpochError,
     _sql,
 )
+from celery_fence import store as store_module
 from celery_fence.store import engine_from_url, proof
 
 START = datetime(2030, 1, 1, tzinfo=timezone.utc)
@@ -1085,3 +1088,60 @@ def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
     assert protected_value(engine) == "initial"
     [record] = store.stale_runs(environment="prod")
     assert (record.reason, record.action, record.stale_epoch) == ("expired", "publish", 1)
+
+
+def test_an_engine_from_a_url_bounds_connecting_and_keeps_connections_alive(
+    database_url: str,
+) -> None:
+    def parameters(engine: sa.Engine) -> dict[str, str]:
+        try:
+            with engine.connect() as conn:
+                dbapi_connection = conn.connection.dbapi_connection
+                assert dbapi_connection is not None
+                found: dict[str, str] = dbapi_connection.info.get_parameters()
+                return found
+        finally:
+            engine.dispose()
+
+    assert {
+        key: parameters(engine_from_url(database_url)).get(key)
+        for key in ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_count")
+    } == {
+        "connect_timeout": "10",
+        "keepalives": "1",
+        "keepalives_idle": "30",
+        "keepalives_count": "3",
+    }
+    # The URL's and connect_args' own values stay.
+    mine = parameters(
+        engine_from_url(f"{database_url}?connect_timeout=3", connect_args={"keepalives_idle": 5})
+    )
+    assert (mine["connect_timeout"], mine["keepalives_idle"]) == ("3", "5")
+
+
+def test_a_server_that_accepts_but_never_answers_fails_the_call_in_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(store_module.CONNECT_DEFAULTS, "connect_timeout", 1)
+    answers: list[BaseException | None] = []
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        store = LeaseStore.from_url(f"postgresql://postgres@127.0.0.1:{port}/test")
+
+        def call() -> None:
+            try:
+                store.owner(NAME)
+            except BaseException as exc:
+                answers.append(exc)
+            else:
+                answers.append(None)
+
+        # A thread of its own, so that a call that hangs fails the test instead of stopping it.
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(timeout=15)
+        store.dispose()
+    assert len(answers) == 1, "the call was still waiting for the server after 15 s"
+    assert isinstance(answers[0], FenceDatabaseError)
