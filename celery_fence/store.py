@@ -43,6 +43,8 @@ _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
+# The stale reason of a lease the check found no row for.
+_MISSING = "missing"
 # The savepoint a shadow-mode check runs in, inside the caller's transaction.
 _SHADOW_SAVEPOINT = "celery_fence_shadow_check"
 # What celery_fence.release() notifies, with the lease's name as payload.
@@ -787,11 +789,11 @@ class LeaseStore:
         except self._driver_errors as exc:
             reason = self._fence_failure(exc, params)
             if reason is None:
-                if _sqlstate(exc) == _SERIALIZATION_FAILURE:
+                if _sqlstate(exc) in (_SERIALIZATION_FAILURE, _STALE_EPOCH):
                     raise FenceDatabaseError(
-                        f"fenced write {action!r}: lease {lease.name} was renewed after this "
-                        "transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it is still "
-                        "held: retry the transaction"
+                        f"fenced write {action!r}: lease {lease.name} was acquired or renewed "
+                        "after this transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it "
+                        "is still held: retry the transaction"
                     ) from exc
                 raise _wrap(exc) from exc
             owner = self.owner(lease.name)
@@ -817,6 +819,8 @@ class LeaseStore:
             try:
                 (row,) = self._run(cursor, "check_fence", params)
                 reason: str | None = row["reason"]
+                if reason == _MISSING:
+                    reason = self._judged_afresh(params)
             except self._driver_errors as exc:
                 # Under REPEATABLE READ or SERIALIZABLE, a lease row changed after the snapshot
                 # cannot be locked: the row stays unlocked, and the lease is judged afresh.
@@ -831,18 +835,24 @@ class LeaseStore:
 
     def _fence_failure(self, exc: BaseException, params: Mapping[str, Any]) -> str | None:
         """Why a fence check failed because its lease is stale, or ``None`` when it failed for
-        anything else."""
+        anything else, or found the lease still held when judged afresh."""
         state = _sqlstate(exc)
         if state == _STALE_EPOCH:
-            return str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
+            reason = str(exc).split("stale epoch (", 1)[-1].split(")", 1)[0]
+            return self._judged_afresh(params) if reason == _MISSING else reason
         if state == _SERIALIZATION_FAILURE:
             # Under REPEATABLE READ or SERIALIZABLE, locking a lease row changed since the
-            # transaction's snapshot fails before any judgement: judge it afresh, on the
-            # store's own connection.
-            (row,) = self._rows("check_fence", params)
-            reason: str | None = row["reason"]
-            return reason
+            # transaction's snapshot fails before any judgement.
+            return self._judged_afresh(params)
         return None
+
+    def _judged_afresh(self, params: Mapping[str, Any]) -> str | None:
+        """Why the lease of a fence check is stale, judged on the store's own connection, or
+        ``None`` while it holds: for a check whose snapshot (REPEATABLE READ or SERIALIZABLE)
+        cannot tell, because the lease row changed after it, or was created after it."""
+        (row,) = self._rows("check_fence", params)
+        reason: str | None = row["reason"]
+        return reason
 
     def record_stale_run(
         self,

@@ -555,6 +555,41 @@ def test_a_renewal_after_the_snapshot_asks_for_a_retry_not_a_rejection(
 
 
 @pytest.mark.parametrize("isolation", SNAPSHOTS)
+@pytest.mark.parametrize("enforce", [True, False], ids=["enforce", "shadow"])
+def test_a_lease_first_acquired_after_the_snapshot_asks_for_a_retry_not_a_rejection(
+    store: LeaseStore, protected: Engine, isolation: str, enforce: bool
+) -> None:
+    """The transaction's snapshot predates the lease row: the check finds no lease, and the
+    guard, judging afresh, finds it held. A retry sees it."""
+
+    def write(conn: sa.Connection, lease: Lease, value: str) -> None:
+        with store.guard(lease, conn, action=f"write {value}", enforce=enforce):
+            conn.execute(UPDATE, {"value": value})
+
+    taken: list[Lease] = []
+
+    def first(conn: sa.Connection) -> None:
+        with conn.begin():
+            conn.execute(UPDATE, {"value": "snapshot"})
+            taken.append(acquire(store, "H"))
+            write(conn, taken[0], "H")
+
+    with protected.connect() as conn:
+        conn.execution_options(isolation_level=isolation)
+        if enforce:
+            with pytest.raises(FenceDatabaseError, match="still held: retry the transaction"):
+                first(conn)
+            # The retry sees the lease.
+            with conn.begin():
+                conn.execute(UPDATE, {"value": "snapshot"})
+                write(conn, taken[0], "H")
+        else:
+            first(conn)
+    assert committed_values(protected) == ["initial", "snapshot", "H"]
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("isolation", SNAPSHOTS)
 @pytest.mark.parametrize("change", ["renewed", "superseded"])
 def test_shadow_mode_under_snapshot_isolation_commits_and_records_once(
     store: LeaseStore, protected: Engine, expire_lease: Expire, isolation: str, change: str
