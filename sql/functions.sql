@@ -45,14 +45,21 @@ CREATE OR REPLACE FUNCTION celery_fence.answer_of(
     )::celery_fence.answer
 $$;
 
-CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
-    p_name text, p_holder text, p_ttl interval, p_max_hold interval
-) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+CREATE OR REPLACE FUNCTION celery_fence.check_name(p_name text)
+RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
 BEGIN
     IF p_name IS NULL OR length(p_name) NOT BETWEEN 1 AND 200 THEN
         RAISE EXCEPTION 'celery_fence: lease name must be 1 to 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
+    p_name text, p_holder text, p_ttl interval, p_max_hold interval
+) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    PERFORM celery_fence.check_name(p_name);
     IF p_holder IS NULL OR length(p_holder) NOT BETWEEN 1 AND 200 THEN
         RAISE EXCEPTION 'celery_fence: holder must be 1 to 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
@@ -121,7 +128,8 @@ BEGIN
         current_epoch, current_holder, reason, action, enforced
     ) VALUES (
         coalesce(p_now, clock_timestamp()), coalesce(v_row.environment, p_environment, ''), p_name,
-        p_epoch, p_holder, v_row.epoch, v_row.holder, p_reason, p_action, p_enforced
+        p_epoch, coalesce(p_holder, ''), v_row.epoch, v_row.holder, p_reason, p_action,
+        p_enforced
     ) RETURNING s.* INTO v_record;
     RETURN v_record;
 END
@@ -150,6 +158,10 @@ DECLARE
     v_hold interval := celery_fence.span(coalesce(p_max_hold, greatest(p_ttl, interval '1 day')));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
+    IF p_environment IS NULL OR length(p_environment) NOT BETWEEN 1 AND 64 THEN
+        RAISE EXCEPTION 'celery_fence: environment must be 1 to 64 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
     -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
@@ -301,6 +313,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
+    PERFORM celery_fence.check_name(p_name);
     -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
     -- need not wait for the disk.
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -535,6 +548,7 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz := coalesce(p_now, clock_timestamp());
 BEGIN
+    PERFORM celery_fence.check_name(p_name);
     INSERT INTO celery_fence.leases AS l (
         name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
         expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at

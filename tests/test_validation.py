@@ -294,6 +294,13 @@ SQL_CALLS = {
     "name empty": "SELECT celery_fence.acquire('', 'prod', 'h', interval '10 seconds')",
     "name overlong": "SELECT celery_fence.acquire(repeat('x', 201), 'prod', 'h', interval '10 s')",
     "holder empty": "SELECT celery_fence.acquire('x', 'prod', '', interval '10 seconds')",
+    "environment empty": "SELECT celery_fence.acquire('x', '', 'h', interval '10 seconds')",
+    "environment null": "SELECT celery_fence.acquire('x', NULL, 'h', interval '10 seconds')",
+    "release name overlong": (
+        "SELECT celery_fence.release(repeat('x', 201), 1, gen_random_uuid(), 'h')"
+    ),
+    "pause name overlong": "SELECT celery_fence.pause(repeat('x', 5000), 'why', 'ops')",
+    "pause name null": "SELECT celery_fence.pause(NULL, 'why', 'ops')",
     "max_hold below ttl": (
         "SELECT celery_fence.acquire('x', 'prod', 'h', interval '10 s', interval '5 s')"
     ),
@@ -305,6 +312,24 @@ SQL_CALLS = {
         "SELECT celery_fence.rejoin('x', 1, 'h', 'take', '\\x00'::bytea, interval '10 s')"
     ),
 }
+
+
+@pytest.mark.parametrize("call", ["renew", "release"])
+def test_a_stale_call_without_a_holder_from_sql_is_answered_and_recorded(
+    engine: Engine, call: str
+) -> None:
+    arguments = (
+        "'x', 1, gen_random_uuid(), interval '9 s', NULL"
+        if call == "renew"
+        else ("'x', 1, gen_random_uuid(), NULL")
+    )
+    with engine.begin() as conn:
+        answer = conn.exec_driver_sql(
+            f"SELECT outcome, reason FROM celery_fence.{call}({arguments})"
+        ).one()
+        holder = conn.exec_driver_sql("SELECT stale_holder FROM celery_fence.stale_runs").one()
+    assert tuple(answer) == ("lost", "missing")
+    assert tuple(holder) == ("",)
 
 
 @pytest.mark.parametrize("statement", SQL_CALLS.values(), ids=list(SQL_CALLS))
