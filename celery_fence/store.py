@@ -75,21 +75,27 @@ Executor = sa.Connection | Session
 
 #: libpq connection parameters :func:`engine_from_url` sets unless the URL or ``connect_args``
 #: give their own: a server that accepts the connection but never answers fails it in seconds,
-#: and a peer gone silent (a partition, a host that died) is noticed by TCP keepalives instead
-#: of leaving a call waiting for an answer, and its caller (a run's end, the renewals of every
-#: lease in the process) with it, for as long as the kernel's defaults allow (hours).
-CONNECT_DEFAULTS = {
+#: and a peer gone silent (a partition, a host that died) is noticed, by TCP keepalives while
+#: the call waits for an answer and by ``tcp_user_timeout`` (libpq 12 and later, on Linux) while
+#: its request is unacknowledged, instead of leaving the call waiting, and its caller (a run's
+#: end, the renewals of every lease in the process) with it, for as long as the kernel's
+#: defaults allow (minutes to hours).
+CONNECT_DEFAULTS: dict[str, int] = {
     "connect_timeout": 10,
     "keepalives": 1,
     "keepalives_idle": 30,
     "keepalives_interval": 10,
     "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
 }
+# The libpq version that knows tcp_user_timeout (an older one refuses it as unknown).
+_TCP_USER_TIMEOUT_LIBPQ = 120_000
 
 
 def engine_from_url(url: str, **kwargs: Any) -> Engine:
     """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL, with
-    :data:`CONNECT_DEFAULTS` for the connection parameters neither gives."""
+    :data:`CONNECT_DEFAULTS` for the connection parameters neither the URL nor ``connect_args``
+    gives."""
     try:
         parsed = make_url(url)
     except (sa.exc.ArgumentError, ValueError) as exc:
@@ -100,12 +106,23 @@ def engine_from_url(url: str, **kwargs: Any) -> Engine:
         raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername="postgresql+psycopg")
-    given = dict(kwargs.pop("connect_args", None) or {})
-    defaults = {k: v for k, v in CONNECT_DEFAULTS.items() if k not in parsed.query}
     try:
-        return sa.create_engine(parsed, connect_args={**defaults, **given}, **kwargs)
+        if parsed.get_driver_name() == "psycopg":
+            given = dict(kwargs.get("connect_args") or {})
+            kwargs["connect_args"] = {**_connect_defaults(parsed), **given}
+        return sa.create_engine(parsed, **kwargs)
     except (sa.exc.NoSuchModuleError, ImportError) as exc:
         raise ConfigurationError(f"no database driver for {parsed.drivername!r}: {exc}") from exc
+
+
+def _connect_defaults(url: sa.URL) -> dict[str, int]:
+    """:data:`CONNECT_DEFAULTS` that ``url`` (a psycopg URL) leaves unset and this libpq knows."""
+    libpq = url.get_dialect().import_dbapi().pq.version()
+    return {
+        key: value
+        for key, value in CONNECT_DEFAULTS.items()
+        if key not in url.query and (key != "tcp_user_timeout" or libpq >= _TCP_USER_TIMEOUT_LIBPQ)
+    }
 
 
 def proof_message(name: str, epoch: int, holder: str, mode: Mode) -> bytes:

@@ -364,20 +364,16 @@ END
 $$;
 
 -- The idle_in_transaction_session_timeout, in milliseconds as set_config takes it, after which
--- the server ends a session left idle in a transaction fenced by a lease expiring at p_expires_at.
--- The idle limit of a transaction fenced by a lease expiring at p_expires_at: the time left
--- until then, unless the limit in force is shorter (the session's own, or one an earlier fence
--- in the transaction set for a lease that expires sooner).
+-- the server ends a session left idle in a transaction fenced by a lease expiring at p_expires_at:
+-- the time left until then, unless the limit in force is shorter (the session's own, or one an
+-- earlier fence in the transaction set for a lease that expires sooner; 0, no limit, is
+-- ignored by least()). One expression, so that PostgreSQL inlines it into the fence query.
 CREATE OR REPLACE FUNCTION celery_fence.idle_limit(p_expires_at timestamptz)
 RETURNS text LANGUAGE sql VOLATILE AS $$
-    SELECT celery_fence.timeout_ms(CASE
-        WHEN v.in_force > interval '0' THEN least(v.in_force, v.left_until)
-        ELSE v.left_until
-    END)
-    FROM (
-        SELECT current_setting('idle_in_transaction_session_timeout')::interval AS in_force,
-               p_expires_at - clock_timestamp() AS left_until
-    ) v
+    SELECT celery_fence.timeout_ms(least(
+        nullif(current_setting('idle_in_transaction_session_timeout')::interval, interval '0'),
+        p_expires_at - clock_timestamp()
+    ))
 $$;
 
 -- Lock the lease row FOR SHARE in the caller's transaction and say whether (epoch, token) still
@@ -570,6 +566,7 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
 BEGIN
+    PERFORM celery_fence.check_name(p_name);
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL
     WHERE l.name = p_name

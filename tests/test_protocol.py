@@ -1105,12 +1105,12 @@ def test_an_engine_from_a_url_bounds_connecting_and_keeps_connections_alive(
 
     assert {
         key: parameters(engine_from_url(database_url)).get(key)
-        for key in ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_count")
+        for key in ("connect_timeout", "keepalives", "keepalives_idle", "tcp_user_timeout")
     } == {
         "connect_timeout": "10",
         "keepalives": "1",
         "keepalives_idle": "30",
-        "keepalives_count": "3",
+        "tcp_user_timeout": "60000",
     }
     # The URL's and connect_args' own values stay.
     mine = parameters(

@@ -32,6 +32,7 @@ from celery_fence.contrib.celery import (
     current_run,
 )
 from celery_fence.contrib.celery.fence import BUSY_RETRIES
+from celery_fence.keeper import LeaseKeeper
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -184,6 +185,34 @@ def test_a_run_that_cannot_go_on_after_its_acquisition_gives_the_lease_back(
     assert result.state == states.FAILURE
     assert "can't start new thread" in str(result.result)
     assert not ran.is_set()
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "released")
+
+
+def test_a_continuation_that_cannot_go_on_after_joining_leaves_the_lease(
+    fence: Fence, store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = LeaseKeeper.start
+    calls: list[LeaseKeeper] = []
+
+    def second_fails(self: LeaseKeeper) -> LeaseKeeper:
+        calls.append(self)
+        if len(calls) == 2:
+            raise RuntimeError("can't start new thread")
+        return started(self)
+
+    @fence.task(lease=NAME, ttl=60)
+    def child() -> None:
+        pass
+
+    @fence.task(lease=NAME, ttl=60)
+    def parent() -> str:
+        return child.apply().state
+
+    monkeypatch.setattr("celery_fence.contrib.celery.fence.LeaseKeeper.start", second_fails)
+    assert parent.apply().get() == states.FAILURE
+    # The child left the lease it joined: the parent's release, as its last sharer, ended it.
     owner = store.owner(NAME)
     assert owner is not None
     assert (owner.epoch, owner.state) == (1, "released")

@@ -203,8 +203,19 @@ def test_a_child_called_as_a_function_in_its_parents_run_shares_its_epoch(
     def parent(environment: str) -> list[Any]:
         return [fence.current().epoch, child(environment)]
 
+    @fence.task(lease="release:{environment}", bind=True)
+    def recurse(self: Any, environment: str, depth: int) -> Any:
+        # A task that calls itself continues its run through apply() (see headers.md).
+        if depth:
+            return recurse.apply((environment, depth - 1)).get()
+        return [fence.current().mode, fence.current().epoch]
+
     assert parent.apply(("prod",)).get() == [1, ["resume", 1]]
-    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
+    assert recurse.apply(("prod", 1)).get() == ["resume", 2]
+    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [
+        (2, "released"),
+        (1, "released"),
+    ]
     assert store.stale_runs() == []
 
 

@@ -110,12 +110,22 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 lease.epoch,
                 extra={"lease": self.lease_name, "epoch": lease.epoch},
             )
-            self.lease = None
             try:
                 self.fence.store.release(lease)
-            except (LeaseLostError, FenceDatabaseError) as exc:
-                self._standby(f"gave up epoch {lease.epoch} at its maximum hold: {exc}")
+            except LeaseLostError as exc:
+                self._step_down(str(exc), lease)
                 return
+            except FenceDatabaseError as exc:
+                # Still trusted until its deadline: kept, and given up on a later tick.
+                log.warning(
+                    "beat could not give up %s at its maximum hold, keeping epoch %d: %s",
+                    self.lease_name,
+                    lease.epoch,
+                    exc,
+                    extra={"lease": self.lease_name, "epoch": lease.epoch},
+                )
+                return
+            self.lease = None
         try:
             got = self.fence.store.acquire(
                 self.lease_name,

@@ -447,7 +447,7 @@ class Fence:
             self._release(lease)
             raise
         if keeper is None:
-            self.store.release(lease)
+            self._release(lease)
             got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
             return self._refused(task, name, got, enforced, "owner", done=True)
         return FencedRun(
@@ -512,6 +512,7 @@ class Fence:
         settings = self.settings
         action = f"start {task.name}"
         ttl = task.lease_ttl(settings)
+        interval = task.renew_interval(settings, ttl)
         try:
             header = FenceHeader.from_message(value)
             if header.mode == "resume":
@@ -583,15 +584,21 @@ class Fence:
 
         else:
             refresh = self.keeper_store.renew
-        keeper = LeaseKeeper(got.lease, refresh, interval=task.renew_interval(settings, ttl))
+        # A continuation that joined a held lease is one more sharer: releasing it only leaves;
+        # the lease is released when its last sharer releases it.
+        release_at_end = header.mode == "resume"
+        try:
+            keeper = LeaseKeeper(got.lease, refresh, interval=interval).start()
+        except BaseException:
+            if release_at_end:
+                self._release(got.lease)
+            raise
         return FencedRun(
             store=self.store,
             mode=header.mode,
             enforced=enforced,
-            keeper=keeper.start(),
-            # A continuation that joined a held lease is one more sharer: releasing it only
-            # leaves; the lease is released when its last sharer releases it.
-            release_at_end=header.mode == "resume",
+            keeper=keeper,
+            release_at_end=release_at_end,
         )
 
 
@@ -911,7 +918,9 @@ def _fenced_base(base: object) -> type[FencedTask]:
         raise ConfigurationError(f"base must be a subclass of celery.Task, got {base!r}")
     if issubclass(base, FencedTask):
         return base
-    return type(f"Fenced{base.__name__}", (FencedTask, base), {"__module__": base.__module__})
+    # Named after both, and placed here: the app's task class is named Task, in celery.app.task.
+    name = f"FencedTask[{base.__module__}.{base.__qualname__}]"
+    return type(name, (FencedTask, base), {"__module__": __name__, "__qualname__": name})
 
 
 def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
