@@ -170,11 +170,12 @@ def canvas_tasks(fence: Fence, kind: str, seen: Seen, hold: Callable[[], None]) 
     return parent
 
 
-def test_an_eager_child_continues_its_parent_run(
+def test_an_eager_or_direct_child_continues_its_parent_run(
     app: Celery, fence: Fence, store: LeaseStore
 ) -> None:
     """``task_always_eager`` (and ``apply()``) runs a child in the parent's run, as a worker
-    would run it beside the parent: it shares the parent's epoch instead of being refused."""
+    would run it beside the parent: it shares the parent's epoch instead of being refused. So
+    does a child called as a function there."""
     app.conf.task_always_eager = True
 
     @fence.task(lease="release:{environment}")
@@ -184,24 +185,11 @@ def test_an_eager_child_continues_its_parent_run(
 
     @fence.task(lease="release:{environment}")
     def parent(environment: str) -> list[Any]:
-        return [child.delay(environment).result, child.apply((environment,)).result]
-
-    assert parent.delay("prod").get() == [["resume", 1], ["resume", 1]]
-    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
-    assert store.stale_runs() == []
-
-
-def test_a_child_called_as_a_function_in_its_parents_run_shares_its_epoch(
-    fence: Fence, store: LeaseStore
-) -> None:
-    @fence.task(lease="release:{environment}")
-    def child(environment: str) -> list[Any]:
-        run = fence.current()
-        return [run.mode, run.epoch]
-
-    @fence.task(lease="release:{environment}")
-    def parent(environment: str) -> list[Any]:
-        return [fence.current().epoch, child(environment)]
+        return [
+            child.delay(environment).result,
+            child.apply((environment,)).result,
+            child(environment),
+        ]
 
     @fence.task(lease="release:{environment}", bind=True)
     def recurse(self: Any, environment: str, depth: int) -> Any:
@@ -210,7 +198,7 @@ def test_a_child_called_as_a_function_in_its_parents_run_shares_its_epoch(
             return recurse.apply((environment, depth - 1)).get()
         return [fence.current().mode, fence.current().epoch]
 
-    assert parent.apply(("prod",)).get() == [1, ["resume", 1]]
+    assert parent.delay("prod").get() == [["resume", 1], ["resume", 1], ["resume", 1]]
     assert recurse.apply(("prod", 1)).get() == ["resume", 2]
     assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [
         (2, "released"),
