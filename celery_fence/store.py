@@ -514,8 +514,8 @@ class LeaseStore:
             "lock_timeout": self.lock_timeout,
             "now": self._now(),
         }
-        if isinstance(wait, bool) or wait != 0:
-            wait = validation.check_seconds(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
+        wait = validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
+        if wait:
             return self._acquire_waiting(params, ttl_seconds, time.monotonic() + wait)
         return self._acquire_once(params, ttl_seconds)[0]
 
@@ -957,7 +957,7 @@ class LeaseStore:
                 "reason": validation.check_text(
                     reason, "reason", max_length=validation.MAX_TEXT_LENGTH
                 ),
-                "by": validation.check_holder(by),
+                "by": validation.check_holder(by, "by (who pauses)"),
                 "environment": self._environment(environment),
                 "now": self._now(),
             },

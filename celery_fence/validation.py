@@ -44,8 +44,8 @@ def check_name(value: object, what: str = "lease name") -> str:
     return check_text(value, what, max_length=MAX_NAME_LENGTH)
 
 
-def check_holder(value: object) -> str:
-    return check_text(value, "holder", max_length=MAX_NAME_LENGTH)
+def check_holder(value: object, what: str = "holder") -> str:
+    return check_text(value, what, max_length=MAX_NAME_LENGTH)
 
 
 def check_environment(value: object, what: str = "environment") -> str:
@@ -87,6 +87,17 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
     if seconds > maximum:
         raise ConfigurationError(f"{what} must be at most {maximum:g} seconds, got {value!r}")
     return seconds
+
+
+def check_seconds_or_zero(value: object, what: str, *, maximum: float) -> float:
+    """Return ``value`` as float seconds if it is ``0`` (none) or as :func:`check_seconds`
+    takes it."""
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        if value == 0:
+            return 0.0
+        if value < 0:
+            raise ConfigurationError(f"{what} must be 0 or more seconds, got {value!r}")
+    return check_seconds(value, what, maximum=maximum)
 
 
 def check_max_hold(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import click
+import kombu.exceptions
 import sqlalchemy as sa
 
 from celery_fence import ConfigurationError, FenceError, LeaseStore
@@ -79,7 +80,13 @@ def release_command(
         ReleaseRequest.checked(environment, release_id, commit, build, rollback)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    result = release.delay(environment, release_id, commit, build, rollback=rollback)
+    try:
+        result = release.delay(environment, release_id, commit, build, rollback=rollback)
+    except kombu.exceptions.OperationalError as exc:
+        with app.connection_for_write() as connection:
+            url = connection.as_uri()  # without its password
+        message = f"cannot send the release to the broker at {url}: {exc}"
+        raise click.ClickException(message) from exc
     click.echo(f"sent release {release_id} (build {build}) to {environment}: task {result.id}")
 
 

@@ -75,6 +75,8 @@ def render(snapshot: Snapshot) -> list[str]:
             + (f"  [{h.purpose}]" if h.purpose else "")
             for h in entries
         ]
+    if not snapshot.history:
+        lines.append("  (none)")
     lines.append("Current manifest per environment")
     lines += [
         f"  {m.environment:<11} {m.release_id:<6} build {m.build:<4} commit {m.commit} "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -381,6 +382,29 @@ def test_release_command_refuses_invalid_arguments(example: Fence) -> None:
     result = CliRunner().invoke(cli, ["release", "production", "r-5", "xyz", "5"])
     assert result.exit_code == 2
     assert "commit must be 7 to 40 lowercase hex digits" in result.output
+
+
+def test_release_command_says_which_broker_it_could_not_reach() -> None:
+    # A process of its own: the app reads its broker from the environment when imported.
+    done = subprocess.run(
+        [sys.executable, "-m", "example_app", "release", "production", "r-5", commit_of(5), "5"],
+        cwd=REPO_ROOT,
+        env={**os.environ, "CELERY_FENCE_BROKER_URL": "redis://:secret@127.0.0.1:1/13"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith(
+        "Error: cannot send the release to the broker at redis://:**@127.0.0.1:1/13: "
+    ), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_status_of_an_empty_database_says_none_under_every_heading(example: Fence) -> None:
+    result = CliRunner().invoke(cli, ["status"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Who won each epoch\n  (none)\n")
 
 
 # -- the report's invariant checks -----------------------------------------------------------

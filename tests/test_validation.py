@@ -225,6 +225,24 @@ def test_bad_input_is_refused_before_any_sql(
     assert statements
 
 
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (acquire(wait=-1), r"^wait must be 0 or more seconds, got -1$"),
+        (
+            lambda s: s.pause("release:prod", reason="r", by=""),
+            r"^by \(who pauses\) must not be empty$",
+        ),
+    ],
+    ids=["acquire wait negative", "pause by empty"],
+)
+def test_a_refusal_names_the_argument_as_the_caller_knows_it(
+    store: LeaseStore, call: Callable[[LeaseStore], object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        call(store)
+
+
 def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     store: LeaseStore, statements: list[str]
 ) -> None:

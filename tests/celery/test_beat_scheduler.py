@@ -20,7 +20,7 @@ from celery.schedules import crontab
 from freezegun import freeze_time
 from sqlalchemy.engine import Engine, make_url
 
-from celery_fence import LeaseStore
+from celery_fence import LeaseStore, SchemaNotInstalledError
 from celery_fence.contrib.celery import HEADER, Fence
 from celery_fence.contrib.celery.beat import FencedScheduler
 
@@ -59,6 +59,18 @@ def scheduler(app: Celery) -> Iterator[NewScheduler]:
     yield start
     for instance in started:
         instance.close()
+
+
+def test_beat_refuses_to_start_without_the_schema(empty_database_url: str) -> None:
+    app = Celery("beat-no-schema", set_as_current=False)
+    app.conf.update(broker_url="memory://", fence_database_url=empty_database_url)
+    fence = Fence(app)
+    try:
+        with pytest.raises(SchemaNotInstalledError, match="run `celery-fence install`"):
+            FencedScheduler(app=app, lazy=False)
+    finally:
+        fence.store.dispose()
+        app.close()
 
 
 def make_due(scheduler: FencedScheduler) -> ScheduleEntry:

@@ -253,7 +253,7 @@ def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
         ({"max_hold": 0}, "max_hold must be greater than 0 seconds, got 0"),
         ({"renew_interval": 0}, "renew_interval must be greater than 0 seconds, got 0"),
         ({"renew_interval": "10"}, "renew_interval must be a number of seconds"),
-        ({"min_hold": -1}, "min_hold must be greater than 0 seconds, got -1"),
+        ({"min_hold": -1}, "min_hold must be 0 or more seconds, got -1"),
     ],
 )
 def test_decorator_rejects_bad_options_at_declaration(

@@ -76,7 +76,8 @@ def test_defaults_and_enforcement_per_environment() -> None:
         ),
         pytest.param(
             {"fence_beat_renew_interval": 20},
-            r"^fence_beat_renew_interval must be at most 15 seconds, got 20$",
+            r"^fence_beat_ttl: renew interval 20s must be shorter than the 13.5s the holder "
+            r"trusts a 15s lease \(ttl less the 10% safety margin\)$",
             id="beat renew interval above the beat ttl",
         ),
         pytest.param(

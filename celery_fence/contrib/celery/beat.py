@@ -23,7 +23,12 @@ from typing import Any
 from celery import schedules
 from celery.beat import ScheduleEntry, Scheduler
 
-from celery_fence.exceptions import FenceDatabaseError, LeaseLostError, LeasePausedError
+from celery_fence.exceptions import (
+    FenceDatabaseError,
+    LeaseLostError,
+    LeasePausedError,
+    SchemaNotInstalledError,
+)
 from celery_fence.keeper import retry_after_failure
 from celery_fence.models import Lease
 from celery_fence.observe import log
@@ -66,6 +71,14 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.halted: str | None = None
         self._renew_at = 0.0
         self._standby_reason: str | None = None
+        # As a worker does, beat refuses to start without the schema; a database it cannot reach
+        # yet only keeps it on standby (its ticks say so).
+        try:
+            self.fence.store.check_schema()
+        except SchemaNotInstalledError:
+            raise
+        except FenceDatabaseError as exc:
+            self._standby(f"database unavailable: {exc}")
         super().__init__(app, *args, **kwargs)
         self.max_interval = min(self.max_interval, self.renew_interval)
 
@@ -137,6 +150,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             )
         except LeasePausedError as exc:
             self._standby(f"lease paused: {exc}")
+            return
+        except SchemaNotInstalledError as exc:
+            self._standby(str(exc))
             return
         except FenceDatabaseError as exc:
             self._standby(f"database unavailable: {exc}")

@@ -312,8 +312,8 @@ class Fence:
             "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
             # 0 (or None) for none.
             "fence_min_hold": 0.0
-            if min_hold is None or (type(min_hold) in (int, float) and min_hold == 0)
-            else validation.check_seconds(
+            if min_hold is None
+            else validation.check_seconds_or_zero(
                 min_hold, "min_hold", maximum=validation.MAX_HOLD_SECONDS
             ),
             "fence_on_busy": on_busy,

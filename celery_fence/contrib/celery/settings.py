@@ -51,7 +51,9 @@ def check_timing(
         interval, named = ttl / 3, f"{what} renew interval"
     else:
         interval, named = renew_interval, interval_what or f"{what} renew interval"
-    interval = validation.check_seconds(interval, named, maximum=ttl)
+    # Any interval up to the longest TTL is checked against the trust below, which is the bound
+    # that matters: one message, naming it, rather than "at most the TTL" and then this one.
+    interval = validation.check_seconds(interval, named, maximum=validation.MAX_TTL_SECONDS)
     trusted = ttl * (1 - safety_margin)
     if interval >= trusted:
         raise ConfigurationError(
