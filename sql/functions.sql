@@ -83,6 +83,17 @@ RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
     SELECT hashtextextended(p_name, 7161677110969590627)
 $$;
 
+-- The advisory lock key of a lease's fenced writers, seeded apart from acquire_key. Each writer
+-- takes it shared for its transaction before it locks the lease row FOR SHARE (see fence), and a
+-- call that locks the row to change it (acquire, renew, release, rejoin, pause, resume) takes it
+-- exclusively first. A waiting exclusive request holds back the shared requests that come after
+-- it, so the caller waits once, for the writers already in, and none that overlaps them can keep
+-- it waiting: its wait is bounded by one lock_timeout however the writers' transactions overlap.
+CREATE OR REPLACE FUNCTION celery_fence.writers_key(p_name text)
+RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
+    SELECT hashtextextended(p_name, 5807285632549173253)
+$$;
+
 -- A span as a number of seconds ('1 day' becomes '24:00:00'): added to a time, it then moves it by
 -- that many seconds also where the session's time zone changes to or from daylight saving time,
 -- instead of to the same time on another calendar day.
@@ -190,6 +201,7 @@ BEGIN
                 CONTINUE;
             END IF;
             v_seen := v_row.epoch;
+            PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
             -- The lease looked free: lock the epoch looked at, and only that one (a fenced
             -- writer's FOR SHARE lock makes this wait), then read the clock and decide on the
             -- newest row version. An UPDATE alone would not do: it judges its WHERE and computes
@@ -271,7 +283,14 @@ BEGIN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
     -- The holder's row is locked first and the clock read after (see acquire): a renewal that
-    -- waited behind a fenced writer past the expiry must not bring the lease back.
+    -- waited behind a fenced writer past the expiry must not bring the lease back. Only the
+    -- holder's call waits for the writers (a stale one is answered at once).
+    IF EXISTS (
+        SELECT 1 FROM celery_fence.leases l
+        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+    ) THEN
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
+    END IF;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     FOR NO KEY UPDATE;
@@ -321,8 +340,15 @@ BEGIN
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
-    -- The holder's row is locked first and the clock read after (see acquire). A lease shared
-    -- with continuations (see rejoin) is released by the last of its sharers.
+    -- The holder's row is locked first and the clock read after (see acquire), behind the
+    -- writers already in (see renew). A lease shared with continuations (see rejoin) is released
+    -- by the last of its sharers.
+    IF EXISTS (
+        SELECT 1 FROM celery_fence.leases l
+        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+    ) THEN
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
+    END IF;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     FOR NO KEY UPDATE;
@@ -386,6 +412,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(celery_fence.writers_key(p_name));
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR SHARE;
     v_now := coalesce(p_now, clock_timestamp());
     v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, v_now);
@@ -404,6 +431,7 @@ DECLARE
     v_row celery_fence.leases;
     v_reason text;
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(celery_fence.writers_key(p_name));
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR SHARE;
     v_reason := celery_fence.stale_reason(v_row, p_epoch, p_token, coalesce(p_now, clock_timestamp()));
     IF v_reason IS NOT NULL THEN
@@ -472,6 +500,8 @@ BEGIN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
         v_waited_from := clock_timestamp();
         PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
@@ -545,6 +575,7 @@ DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
 BEGIN
     PERFORM celery_fence.check_name(p_name);
+    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     INSERT INTO celery_fence.leases AS l (
         name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
         expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
@@ -567,6 +598,7 @@ DECLARE
     v_now timestamptz;
 BEGIN
     PERFORM celery_fence.check_name(p_name);
+    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL
     WHERE l.name = p_name

@@ -25,7 +25,8 @@ SELECT * FROM celery_fence.rejoin(
 )
 
 -- name: fence
--- celery_fence.fence() without the function call on its common path: the lease row is locked
+-- celery_fence.fence() without the function call on its common path: the writers' key is taken
+-- shared (w, evaluated first: the lateral subquery refers to it), the lease row is locked
 -- FOR SHARE (the newest version, after any wait) and judged above the lock, so that the clock is
 -- read once the lock is held; only a stale epoch (or a missing lease) calls fence() itself,
 -- which raises and so aborts the transaction.
@@ -37,9 +38,11 @@ SELECT CASE
         'idle_in_transaction_session_timeout', celery_fence.idle_limit((f.l).expires_at), true
     )
 END AS fenced
-FROM (VALUES (1)) AS one (x)
+FROM (
+    SELECT pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued OFFSET 0
+) AS w
 LEFT JOIN LATERAL (
-    SELECT l FROM celery_fence.leases l WHERE l.name = :name FOR SHARE
+    SELECT l FROM celery_fence.leases l WHERE l.name = :name AND w.queued = 1 FOR SHARE
 ) AS f ON true
 
 -- name: check_fence

@@ -787,6 +787,58 @@ def test_a_renewal_or_release_behind_a_fenced_writer_gives_up_after_lock_timeout
         assert owner.expires_at > held.expires_at
 
 
+@pytest.mark.parametrize("call", ["renew", "release", "pause"])
+def test_overlapping_fenced_writers_keep_a_call_waiting_only_for_those_already_in(
+    store: LeaseStore, protected: Engine, call: str
+) -> None:
+    """Two writers whose fenced transactions overlap with no gap (each holds its checked write
+    open for 0.2 s, the second starting 0.1 s after the first) never leave the lease row
+    unlocked. A call that must lock it still gets it within its lock timeout: the writers that
+    arrive while it waits queue behind it. Left to the row lock alone, it would wait as long as
+    the overlap lasted (here until the writers give up, after 8 s)."""
+    held = acquire(store, "H")
+    other = LeaseStore(protected, lock_timeout=1.0)
+    calls: dict[str, Callable[[], object]] = {
+        "renew": lambda: other.renew(held),
+        "release": lambda: other.release(held),
+        "pause": lambda: other.pause(NAME, reason="overlap", by="ops"),
+    }
+    called = threading.Event()
+    commits: list[float] = []
+
+    def write(offset: float) -> None:
+        time.sleep(offset)
+        give_up = time.monotonic() + 8
+        while not called.is_set() and time.monotonic() < give_up:
+            try:
+                # No write of the caller's own: two writers of one row would take turns on it.
+                with protected.begin() as conn:
+                    with store.guard(held, conn, action="overlap"):
+                        pass
+                    conn.exec_driver_sql("SELECT pg_sleep(0.2)")
+            except StaleEpochError:
+                return  # released or paused: the call went through
+            commits.append(time.monotonic())
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            writers = [pool.submit(write, offset) for offset in (0.0, 0.1)]
+            deadline = time.monotonic() + WAIT
+            while len(commits) < 4:
+                assert time.monotonic() < deadline, "the writers did not get going"
+                time.sleep(0.01)
+            started = time.monotonic()
+            calls[call]()
+            waited = time.monotonic() - started
+            called.set()
+            for writer in writers:
+                writer.result(timeout=WAIT)
+    finally:
+        other.dispose()
+    # One lock timeout, and one writer's open transaction, at most.
+    assert waited < 1.5, f"{call} waited {waited:.2f} s behind the overlapping writers"
+
+
 def timed_resume(other: LeaseStore, held: Lease) -> tuple[str, float]:
     """Take ``held`` up on ``other`` as a continuation published under it does: the outcome,
     and how long it took."""
