@@ -866,8 +866,10 @@ class LeaseStore:
     def _judged_afresh(self, params: Mapping[str, Any]) -> str | None:
         """Why the lease of a fence check is stale, judged on the store's own connection, or
         ``None`` while it holds: for a check whose snapshot (REPEATABLE READ or SERIALIZABLE)
-        cannot tell, because the lease row changed after it, or was created after it."""
-        (row,) = self._rows("check_fence", params)
+        cannot tell, because the lease row changed after it, or was created after it. It locks
+        nothing (see the ``judge`` query): the caller's transaction may hold the lease's
+        writers' key."""
+        (row,) = self._rows("judge", params)
         reason: str | None = row["reason"]
         return reason
 

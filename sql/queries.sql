@@ -48,6 +48,17 @@ LEFT JOIN LATERAL (
 -- name: check_fence
 SELECT * FROM celery_fence.check_fence(:name, :epoch, :token, :now)
 
+-- name: judge
+-- Why (epoch, token) no longer holds the lease, or NULL while it does, from the newest committed
+-- row, locking nothing: a guard judging afresh on a connection of its own, while its caller's
+-- transaction holds the lease's writers' key, must not queue for that key behind a call that
+-- waits for the caller.
+SELECT celery_fence.stale_reason(
+    l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+) AS reason
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN celery_fence.leases l ON l.name = :name
+
 -- name: record_stale_run
 SELECT * FROM celery_fence.record_stale_run(
     :name, :epoch, :holder, :reason, :action, :environment, :enforced, :now

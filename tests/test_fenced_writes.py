@@ -839,6 +839,58 @@ def test_overlapping_fenced_writers_keep_a_call_waiting_only_for_those_already_i
     assert waited < 1.5, f"{call} waited {waited:.2f} s behind the overlapping writers"
 
 
+def test_a_shadow_check_judging_afresh_does_not_queue_behind_a_call_that_waits_for_it(
+    store: LeaseStore, protected: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under REPEATABLE READ, a lease acquired after the snapshot is judged afresh on the
+    store's own connection while the caller's transaction holds the lease's writers' key. A
+    pause that comes in between waits for that transaction: the judgement must not wait for the
+    key behind the pause, which nothing would ever end."""
+    judged = store._judged_afresh
+    ended: list[str] = []
+
+    def pause() -> None:
+        store.pause(NAME, reason="meanwhile", by="ops")
+        ended.append("pause")
+
+    def pause_first(params: dict[str, object]) -> str | None:
+        threading.Thread(target=pause, daemon=True).start()
+        with protected.connect() as conn:
+            deadline = time.monotonic() + WAIT
+            while not conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+                " AND query LIKE '%%celery_fence.pause%%'"
+            ).scalar_one():
+                assert time.monotonic() < deadline, "the pause did not start waiting"
+                time.sleep(0.01)
+        return judged(params)
+
+    monkeypatch.setattr(store, "_judged_afresh", pause_first)
+
+    def shadow_write() -> None:
+        with protected.connect() as conn:
+            conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                conn.execute(UPDATE, {"value": "snapshot"})
+                lease = acquire(store, "H")
+                with store.guard(lease, conn, action="write H", enforce=False):
+                    conn.execute(UPDATE, {"value": "H"})
+        ended.append("write")
+
+    # Threads of their own, so that a wait that never ends fails the test instead of hanging it.
+    writer = threading.Thread(target=shadow_write, daemon=True)
+    writer.start()
+    deadline = time.monotonic() + WAIT
+    while len(ended) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(ended) == ["pause", "write"], f"only {ended} ended within {WAIT:g} s"
+    assert committed_values(protected) == ["initial", "snapshot", "H"]
+    assert store.stale_runs() == []
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.paused
+
+
 def timed_resume(other: LeaseStore, held: Lease) -> tuple[str, float]:
     """Take ``held`` up on ``other`` as a continuation published under it does: the outcome,
     and how long it took."""
