@@ -97,22 +97,6 @@ $$;
 -- A span as a number of seconds ('1 day' becomes '24:00:00'): added to a time, it then moves it by
 -- that many seconds also where the session's time zone changes to or from daylight saving time,
 -- instead of to the same time on another calendar day.
--- Takes the lease's writers' key exclusively (see writers_key), then leaves the row lock that
--- follows what is left of p_lock_timeout, counted from p_since (an earlier wait's start) or from
--- this wait's: one timeout for all the caller's waits.
-CREATE OR REPLACE FUNCTION celery_fence.queue_behind_writers(
-    p_name text, p_lock_timeout interval, p_since timestamptz DEFAULT NULL
-) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_from timestamptz := coalesce(p_since, clock_timestamp());
-BEGIN
-    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
-    IF clock_timestamp() - v_from > interval '1 millisecond' THEN
-        PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_from);
-    END IF;
-END
-$$;
-
 CREATE OR REPLACE FUNCTION celery_fence.span(p_span interval)
 RETURNS interval LANGUAGE sql IMMUTABLE AS $$
     SELECT make_interval(secs => extract(epoch FROM p_span))
@@ -217,7 +201,7 @@ BEGIN
                 CONTINUE;
             END IF;
             v_seen := v_row.epoch;
-            PERFORM celery_fence.queue_behind_writers(p_name, p_lock_timeout, v_waited_from);
+            PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
             -- The lease looked free: lock the epoch looked at, and only that one (a fenced
             -- writer's FOR SHARE lock makes this wait), then read the clock and decide on the
             -- newest row version. An UPDATE alone would not do: it judges its WHERE and computes
@@ -305,7 +289,7 @@ BEGIN
         SELECT 1 FROM celery_fence.leases l
         WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     ) THEN
-        PERFORM celery_fence.queue_behind_writers(p_name, p_lock_timeout);
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
@@ -363,7 +347,7 @@ BEGIN
         SELECT 1 FROM celery_fence.leases l
         WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     ) THEN
-        PERFORM celery_fence.queue_behind_writers(p_name, p_lock_timeout);
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
@@ -517,7 +501,8 @@ BEGIN
         v_waited_from := clock_timestamp();
         PERFORM pg_advisory_xact_lock(celery_fence.acquire_key(p_name));
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
-        PERFORM celery_fence.queue_behind_writers(p_name, p_lock_timeout, v_waited_from);
+        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
