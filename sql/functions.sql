@@ -285,12 +285,8 @@ BEGIN
     -- The holder's row is locked first and the clock read after (see acquire): a renewal that
     -- waited behind a fenced writer past the expiry must not bring the lease back. Only the
     -- holder's call waits for the writers (a stale one is answered at once).
-    IF EXISTS (
-        SELECT 1 FROM celery_fence.leases l
-        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-    ) THEN
-        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
-    END IF;
+    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     FOR NO KEY UPDATE;
@@ -343,12 +339,8 @@ BEGIN
     -- The holder's row is locked first and the clock read after (see acquire), behind the
     -- writers already in (see renew). A lease shared with continuations (see rejoin) is released
     -- by the last of its sharers.
-    IF EXISTS (
-        SELECT 1 FROM celery_fence.leases l
-        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-    ) THEN
-        PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
-    END IF;
+    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
     SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
     FOR NO KEY UPDATE;
