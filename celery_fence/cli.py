@@ -99,6 +99,7 @@ class Settings:
 
     database_url: str | None
     environment: str
+    lock_timeout: float
     _store: LeaseStore | None = dataclasses.field(default=None, init=False)
 
     def url(self) -> str:
@@ -113,7 +114,9 @@ class Settings:
 
     def store(self) -> LeaseStore:
         if self._store is None:
-            self._store = LeaseStore.from_url(self.url(), default_environment=self.environment)
+            self._store = LeaseStore.from_url(
+                self.url(), default_environment=self.environment, lock_timeout=self.lock_timeout
+            )
         return self._store
 
     def where(self) -> str:
@@ -253,17 +256,36 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     help="Environment of the leases this command acquires or pauses.",
 )
 @click.option(
+    "--lock-timeout",
+    envvar="CELERY_FENCE_LOCK_TIMEOUT",
+    type=float,
+    default=2.0,
+    show_default=True,
+    show_envvar=True,
+    metavar="SECONDS",
+    help="How long acquire, renew, release, pause and resume wait behind fenced writers "
+    "(at most 60).",
+)
+@click.option(
     "-v", "--verbose", is_flag=True, help="Also log acquisitions and rejections on stderr."
 )
 @click.version_option(package_name="celery-fence", prog_name="celery-fence")
 @click.pass_context
-def main(ctx: click.Context, database_url: str | None, environment: str, verbose: bool) -> None:
+def main(
+    ctx: click.Context,
+    database_url: str | None,
+    environment: str,
+    lock_timeout: float,
+    verbose: bool,
+) -> None:
     """PostgreSQL leases with fencing epochs for Celery.
 
     Exit codes: 0 ok, 1 error, 2 bad input, 3 lease held by another, 4 lease paused,
     5 lease lost.
     """
-    settings = Settings(database_url=database_url, environment=environment)
+    settings = Settings(
+        database_url=database_url, environment=environment, lock_timeout=lock_timeout
+    )
     ctx.obj = settings
     ctx.call_on_close(settings.close)
     _route_logs(ctx, verbose)

@@ -369,13 +369,13 @@ class LeaseStore:
     ``engine`` is a SQLAlchemy engine on psycopg 3. ``clock`` replaces the database clock (tests
     pass a function returning an aware ``datetime``); by default ``clock_timestamp()`` decides.
     ``max_ttl`` bounds every TTL this store asks for. ``lock_timeout`` bounds how long an
-    acquisition waits behind fenced writers before it answers "busy" (a renewal or a release,
-    before it raises). ``safety_margin`` is the
-    share of each granted period the holder does not trust, so that it stops before the database
-    could hand the lease on. Protocol calls (acquire, renew, release, reads) run in autocommit
-    on connections of the store's own, opened as ``engine`` opens its own (outside its pool): up
-    to ``pool_size`` kept open between calls, up to twice as many at once. Fenced writes run on
-    the caller's connection.
+    acquisition waits behind fenced writers before it answers "busy" (a renewal, a release, a
+    pause or a resume, before it raises). ``safety_margin`` is the share of each granted period
+    the holder does not trust, so that it stops before the database could hand the lease on.
+    Protocol calls (acquire, renew, release, reads) run in autocommit on connections of the
+    store's own, opened as ``engine`` opens its own (outside its pool): up to ``pool_size`` kept
+    open between calls, up to twice as many at once. Fenced writes run on the caller's
+    connection.
     """
 
     def __init__(
@@ -662,17 +662,23 @@ class LeaseStore:
     def _call_as_holder(
         self, call: str, done: str, lease: Lease, params: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """Run ``call`` (renew or release) for ``lease``'s holder. One that waited past
-        ``lock_timeout`` for the lease's row behind fenced writers is logged and counted
-        (``<call>.busy``) and raised as a :class:`FenceDatabaseError` saying the lease is
-        unchanged."""
+        """Run ``call`` (renew or release) for ``lease``'s holder, as :meth:`_call_bounded`."""
+        return self._call_bounded(
+            call, f"lease {lease.name} epoch {lease.epoch} not {done}", params
+        )
+
+    def _call_bounded(self, call: str, not_done: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """Run ``call``, which locks the row of lease ``params["name"]`` to change it. One that
+        waited past ``lock_timeout`` behind fenced writers is logged and counted
+        (``<call>.busy``) and raised as a :class:`FenceDatabaseError` that says ``not_done`` and
+        that the lease is unchanged."""
         try:
             return self._call(call, params)
         except FenceDatabaseError as exc:
-            self._check_busy(lease.name, exc, call)
+            self._check_busy(params["name"], exc, call)
             raise FenceDatabaseError(
-                f"lease {lease.name} epoch {lease.epoch} not {done}: fenced writers kept its row "
-                f"locked past lock_timeout ({self.lock_timeout:g}s); it is unchanged"
+                f"{not_done}: fenced writers kept its row locked past lock_timeout "
+                f"({self.lock_timeout:g}s); it is unchanged"
             ) from exc.__cause__
 
     def rejoin(
@@ -951,9 +957,12 @@ class LeaseStore:
         self, name: str, *, reason: str, by: str = "celery-fence", environment: str | None = None
     ) -> Owner:
         """Stop the lease from being acquired or renewed until :meth:`resume`; its holder's
-        fenced writes are rejected from now on."""
-        row = self._call(
+        fenced writes are rejected from now on. The pause waits for the fenced transactions
+        already open on the lease, and raises :class:`FenceDatabaseError` (the lease unchanged)
+        when they keep it waiting past ``lock_timeout``."""
+        row = self._call_bounded(
             "pause",
+            f"lease {name} not paused",
             {
                 "name": validation.check_name(name),
                 "reason": validation.check_text(
@@ -962,6 +971,7 @@ class LeaseStore:
                 "by": validation.check_holder(by, "by (who pauses)"),
                 "environment": self._environment(environment),
                 "now": self._now(),
+                "lock_timeout": self.lock_timeout,
             },
         )
         log.warning("lease %s paused by %s: %s", name, by, reason, extra={"lease": name})
@@ -970,8 +980,18 @@ class LeaseStore:
         return owner
 
     def resume(self, name: str) -> Owner:
-        """Lift a pause. Raises :class:`LeaseError` for a lease that does not exist."""
-        row = self._call("resume", {"name": validation.check_name(name), "now": self._now()})
+        """Lift a pause. Raises :class:`LeaseError` for a lease that does not exist, and
+        :class:`FenceDatabaseError` (the lease unchanged) when fenced transactions already open
+        on the lease keep it waiting past ``lock_timeout``."""
+        row = self._call_bounded(
+            "resume",
+            f"lease {name} not resumed",
+            {
+                "name": validation.check_name(name),
+                "now": self._now(),
+                "lock_timeout": self.lock_timeout,
+            },
+        )
         owner = _owner(row)
         if owner is None:
             raise LeaseError(f"no lease named {name}", lease_name=name)

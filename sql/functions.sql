@@ -558,38 +558,74 @@ BEGIN
 END
 $$;
 
+-- The kill switch. Both wait for the fenced transactions already open on the lease (its
+-- writers' key, exclusively), at most p_lock_timeout (lock_not_available, nothing changed).
 CREATE OR REPLACE FUNCTION celery_fence.pause(
-    p_name text, p_reason text, p_by text, p_environment text DEFAULT '',
-    p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_row celery_fence.leases;
-    v_now timestamptz := coalesce(p_now, clock_timestamp());
-BEGIN
-    PERFORM celery_fence.check_name(p_name);
-    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
-    INSERT INTO celery_fence.leases AS l (
-        name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
-        expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
-    ) VALUES (
-        p_name, p_environment, '', '', 0, gen_random_uuid(), v_now, v_now,
-        v_now, v_now, v_now, true, p_reason, p_by, v_now
-    )
-    ON CONFLICT (name) DO UPDATE SET
-        paused = true, paused_reason = excluded.paused_reason,
-        paused_by = excluded.paused_by, paused_at = excluded.paused_at
-    RETURNING l.* INTO v_row;
-    RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
-END
-$$;
-
-CREATE OR REPLACE FUNCTION celery_fence.resume(p_name text, p_now timestamptz DEFAULT NULL)
-RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+    p_name text, p_reason text, p_by text, p_environment text DEFAULT NULL,
+    p_now timestamptz DEFAULT NULL, p_lock_timeout interval DEFAULT interval '2 seconds'
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+SET lock_timeout = '2s'
+AS $$
 DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
 BEGIN
     PERFORM celery_fence.check_name(p_name);
+    IF p_reason IS NULL OR length(p_reason) NOT BETWEEN 1 AND 500 THEN
+        RAISE EXCEPTION 'celery_fence: pause reason must be 1 to 500 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_by IS NULL OR length(p_by) NOT BETWEEN 1 AND 200 THEN
+        RAISE EXCEPTION 'celery_fence: who pauses (p_by) must be 1 to 200 characters'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF p_lock_timeout <> interval '2 seconds' THEN
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+    END IF;
+    PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
+    v_now := coalesce(p_now, clock_timestamp());
+    UPDATE celery_fence.leases AS l SET
+        paused = true, paused_reason = p_reason, paused_by = p_by, paused_at = v_now
+    WHERE l.name = p_name
+    RETURNING l.* INTO v_row;
+    IF v_row.name IS NULL THEN
+        -- A lease paused before it was ever acquired: its stale runs are recorded under the
+        -- environment given here, so there must be one.
+        IF p_environment IS NULL OR length(p_environment) NOT BETWEEN 1 AND 64 THEN
+            RAISE EXCEPTION 'celery_fence: environment must be 1 to 64 characters to pause a '
+                'lease that does not exist yet'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        INSERT INTO celery_fence.leases AS l (
+            name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
+            expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
+        ) VALUES (
+            p_name, p_environment, '', '', 0, gen_random_uuid(), v_now, v_now,
+            v_now, v_now, v_now, true, p_reason, p_by, v_now
+        )
+        ON CONFLICT (name) DO UPDATE SET
+            paused = true, paused_reason = excluded.paused_reason,
+            paused_by = excluded.paused_by, paused_at = excluded.paused_at
+        RETURNING l.* INTO v_row;
+    END IF;
+    RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION celery_fence.resume(
+    p_name text, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds'
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+SET lock_timeout = '2s'
+AS $$
+DECLARE
+    v_row celery_fence.leases;
+    v_now timestamptz;
+BEGIN
+    PERFORM celery_fence.check_name(p_name);
+    IF p_lock_timeout <> interval '2 seconds' THEN
+        PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+    END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL

@@ -65,10 +65,12 @@ SELECT * FROM celery_fence.record_stale_run(
 )
 
 -- name: pause
-SELECT * FROM celery_fence.pause(:name, :reason, :by, :environment, :now)
+SELECT * FROM celery_fence.pause(
+    :name, :reason, :by, :environment, :now, make_interval(secs => :lock_timeout)
+)
 
 -- name: resume
-SELECT * FROM celery_fence.resume(:name, :now)
+SELECT * FROM celery_fence.resume(:name, :now, make_interval(secs => :lock_timeout))
 
 -- name: owner
 SELECT * FROM celery_fence.owner(:name, :now)

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from importlib.metadata import version
@@ -356,24 +357,41 @@ def test_releasing_with_a_wrong_token_exits_5_and_keeps_the_lease(database_url: 
     assert (owner["holder"], owner["epoch"], owner["state"]) == ("a", 1, "held")
 
 
-@pytest.mark.parametrize(("command", "done"), [("renew", "renewed"), ("release", "released")])
+@pytest.mark.parametrize(
+    ("command", "done"),
+    [("renew", "renewed"), ("release", "released"), ("pause", "paused"), ("resume", "resumed")],
+)
 def test_a_call_kept_waiting_by_a_fenced_writer_is_one_line_and_changes_nothing(
     database_url: str, store: LeaseStore, command: str, done: str
 ) -> None:
     lease = answer(acquire(database_url, "job", "a"))["lease"]
-    args = [command, *holder_flags(lease), *(["--ttl", "60"] if command == "renew" else [])]
+    args = {
+        "renew": [*holder_flags(lease), "--ttl", "60"],
+        "release": holder_flags(lease),
+        "pause": ["job", "--reason", "audit"],
+        "resume": ["job"],
+    }[command]
     # A fenced writer's lock on the lease row, held until its transaction ends (or, for a call
     # that would wait without bound, until the server ends the idle session).
     with store.engine.connect() as writer:
         writer.exec_driver_sql("SET idle_in_transaction_session_timeout = '10s'")
         writer.exec_driver_sql("SELECT 1 FROM celery_fence.leases WHERE name = 'job' FOR SHARE")
-        result = cli(database_url, *args)
-    assert_error(result, ExitCode.ERROR, f"not {done}", "past lock_timeout", "unchanged")
+        started = time.monotonic()
+        result = cli(database_url, "--lock-timeout", "0.5", command, *args)
+        waited = time.monotonic() - started
+    assert_error(result, ExitCode.ERROR, f"not {done}", "past lock_timeout (0.5s)", "unchanged")
+    assert 0.5 <= waited < 5
     assert result.stdout == ""
     [owner] = answer(cli(database_url, "status", "job", "--json"))
     assert (owner["holder"], owner["epoch"], owner["state"]) == ("a", 1, "held")
     assert owner["expires_at"] == lease["expires_at"]
-    assert answer(cli(database_url, *args))["outcome"] == done
+    assert answer(cli(database_url, command, *args))["outcome"] == done
+
+
+def test_a_lock_timeout_beyond_a_minute_is_bad_input(database_url: str) -> None:
+    result = cli(database_url, "--lock-timeout", "61", "pause", "job", "--reason", "audit")
+    assert_error(result, ExitCode.USAGE, "lock_timeout must be at most 60 seconds")
+    assert cli(database_url, "status").stdout == "no leases\n"
 
 
 @pytest.mark.parametrize(

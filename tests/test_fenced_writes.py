@@ -21,7 +21,14 @@ from freezegun import freeze_time
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from celery_fence import FenceDatabaseError, Lease, LeaseLostError, LeaseStore, StaleEpochError
+from celery_fence import (
+    FenceDatabaseError,
+    Lease,
+    LeaseLostError,
+    LeaseStore,
+    Owner,
+    StaleEpochError,
+)
 from celery_fence.store import Executor, engine_from_url, proof
 
 NAME = "release:prod"
@@ -785,6 +792,38 @@ def test_a_renewal_or_release_behind_a_fenced_writer_gives_up_after_lock_timeout
     assert (owner.epoch, owner.state) == (held.epoch, "released" if call == "release" else "held")
     if call == "renew":
         assert owner.expires_at > held.expires_at
+
+
+@pytest.mark.parametrize(("call", "done"), [("pause", "paused"), ("resume", "resumed")])
+def test_a_pause_or_resume_behind_a_fenced_writer_gives_up_after_lock_timeout(
+    store: LeaseStore, protected: Engine, call: str, done: str
+) -> None:
+    """The kill switch waits for the fenced transactions already open on the lease no longer
+    than the store's lock timeout: then it fails changing nothing, and may be tried again."""
+    held = acquire(store, "H")
+    before = store.owner(NAME)
+    other = LeaseStore(protected, lock_timeout=0.2)
+    calls: dict[str, Callable[[], Owner]] = {
+        "pause": lambda: other.pause(NAME, reason="audit", by="ops"),
+        "resume": lambda: other.resume(NAME),
+    }
+    try:
+        with fenced_writer(store, held):
+            started = time.monotonic()
+            with pytest.raises(
+                FenceDatabaseError,
+                match=rf"^lease {NAME} not {done}: .* past lock_timeout \(0.2s\); it is unchanged$",
+            ):
+                calls[call]()
+            waited = time.monotonic() - started
+            kept = store.owner(NAME)
+        assert 0.2 <= waited < 2
+        assert other.metrics.get(f"{call}.busy") == 1
+        assert kept == before
+        after = calls[call]()
+    finally:
+        other.dispose()
+    assert (after.paused, after.paused_by) == ((True, "ops") if call == "pause" else (False, None))
 
 
 @pytest.mark.parametrize("call", ["renew", "release", "pause"])

@@ -250,8 +250,8 @@ def test_a_stale_run_is_recorded_and_logged_in_the_leases_environment_else_the_c
     store: LeaseStore, caplog: pytest.LogCaptureFixture, action: str
 ) -> None:
     """A renewal, release or continuation of a lease that does not exist is recorded, and
-    logged, in the caller's environment; of one that exists, in the lease's own, also when that
-    is the empty one a lease paused from SQL without an environment has."""
+    logged, in the caller's environment; of one that exists, in the lease's own, also for a
+    lease that a pause from SQL created."""
     stale = Lease(
         name=NAME, environment="prod", holder="a", purpose="", epoch=3, token=uuid.uuid4(),
         acquired_at=START, expires_at=START, hold_until=START, ttl=30.0,
@@ -271,11 +271,13 @@ def test_a_stale_run_is_recorded_and_logged_in_the_leases_environment_else_the_c
     assert rejected() == ("missing", "prod")
     assert store.owner(NAME) is None
     with store.engine.begin() as conn:
-        conn.execute(sa.text("SELECT celery_fence.pause(:n, 'audit', 'ops')"), {"n": NAME})
-    assert rejected() == ("forged", "")
+        conn.execute(
+            sa.text("SELECT celery_fence.pause(:n, 'audit', 'ops', 'staging')"), {"n": NAME}
+        )
+    assert rejected() == ("forged", "staging")
     runs = store.stale_runs(lease_name=NAME)
     assert [(run.environment, run.reason, run.action, run.stale_epoch) for run in runs] == [
-        ("", "forged", action, 3),
+        ("staging", "forged", action, 3),
         ("prod", "missing", action, 3),
     ]
     assert runs[1].current_epoch is None

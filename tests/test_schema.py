@@ -271,13 +271,16 @@ CALL_RENEW = (
 )
 
 # Each: the function, the arguments an earlier schema gave it, the version that dropped that
-# signature, a call that leaves the newer arguments out, and how the one left ends.
+# signature, a call that leaves the newer arguments out, what it answers (outcome and reason),
+# and how the arguments of the one left end.
+STALE_CALL = ("lost", "missing")
 SUPERSEDED_SIGNATURES = [
     pytest.param(
         "renew",
         RENEW_OF_SCHEMA_4,
         5,
         CALL_RENEW,
+        STALE_CALL,
         "p_lock_timeout interval, p_environment text",
         id="renew without a lock timeout",
     ),
@@ -286,6 +289,7 @@ SUPERSEDED_SIGNATURES = [
         f"{RENEW_OF_SCHEMA_4}, p_lock_timeout interval DEFAULT interval '2 seconds'",
         7,
         CALL_RENEW,
+        STALE_CALL,
         "p_lock_timeout interval, p_environment text",
         id="renew without its environment",
     ),
@@ -296,6 +300,7 @@ SUPERSEDED_SIGNATURES = [
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL""",
         7,
         "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
+        STALE_CALL,
         "p_now timestamp with time zone, p_lock_timeout interval, p_environment text",
         id="release without a lock timeout and its environment",
     ),
@@ -308,6 +313,7 @@ SUPERSEDED_SIGNATURES = [
         6,
         "SELECT outcome, reason FROM celery_fence.rejoin("
         "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
+        STALE_CALL,
         "p_environment text, p_successor text, p_delivery_prefix text",
         id="rejoin without its environment, successor and delivery prefix",
     ),
@@ -318,14 +324,34 @@ SUPERSEDED_SIGNATURES = [
         # A renewal with a lock timeout of its own calls bound_lock_wait with one interval.
         "SELECT outcome, reason FROM celery_fence.renew("
         "'x', 1, gen_random_uuid(), interval '9 s', p_lock_timeout => interval '1 s')",
+        STALE_CALL,
         "p_wait interval, p_since timestamp with time zone",
         id="bound_lock_wait without the wait's start",
+    ),
+    pytest.param(
+        "pause",
+        "p_name text, p_reason text, p_by text, p_environment text DEFAULT '',"
+        " p_now timestamptz DEFAULT NULL",
+        10,
+        "SELECT outcome, reason FROM celery_fence.pause('x', 'audit', 'ops', 'prod')",
+        ("paused", "paused"),
+        "p_now timestamp with time zone, p_lock_timeout interval",
+        id="pause without a lock timeout",
+    ),
+    pytest.param(
+        "resume",
+        "p_name text, p_now timestamptz DEFAULT NULL",
+        10,
+        "SELECT outcome, reason FROM celery_fence.resume('x')",
+        ("missing", None),
+        "p_now timestamp with time zone, p_lock_timeout interval",
+        id="resume without a lock timeout",
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("function", "earlier", "version", "call", "arguments_end"), SUPERSEDED_SIGNATURES
+    ("function", "earlier", "version", "call", "answer", "arguments_end"), SUPERSEDED_SIGNATURES
 )
 def test_upgrading_leaves_one_signature_of_a_function(
     empty_database_url: str,
@@ -333,6 +359,7 @@ def test_upgrading_leaves_one_signature_of_a_function(
     earlier: str,
     version: int,
     call: str,
+    answer: tuple[str, str | None],
     arguments_end: str,
 ) -> None:
     """Beside the earlier signature, the one taking more arguments would make every call that
@@ -359,7 +386,7 @@ def test_upgrading_leaves_one_signature_of_a_function(
         assert install(empty_database_url) == _sql.latest_version()
         with engine.begin() as conn:
             (arguments,) = conn.execute(signatures, {"function": function}).scalars()
-            assert tuple(conn.execute(sa.text(call)).one()) == ("lost", "missing")
+            assert tuple(conn.execute(sa.text(call)).one()) == answer
     finally:
         engine.dispose()
     assert arguments.endswith(arguments_end)

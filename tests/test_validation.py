@@ -319,6 +319,9 @@ SQL_CALLS = {
     ),
     "pause name overlong": "SELECT celery_fence.pause(repeat('x', 5000), 'why', 'ops')",
     "pause name null": "SELECT celery_fence.pause(NULL, 'why', 'ops')",
+    "pause reason empty": "SELECT celery_fence.pause('x', '', 'ops', 'prod')",
+    "pause by null": "SELECT celery_fence.pause('x', 'why', NULL, 'prod')",
+    "pause of a new lease without an environment": "SELECT celery_fence.pause('x', 'why', 'ops')",
     "resume name empty": "SELECT celery_fence.resume('')",
     "max_hold below ttl": (
         "SELECT celery_fence.acquire('x', 'prod', 'h', interval '10 s', interval '5 s')"
