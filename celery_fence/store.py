@@ -225,6 +225,10 @@ class _Connections:
         assert connection is not None  # a connection just checked out is open
         try:
             self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
+            # psycopg reads times only in the ISO date style; a role, database or PGDATESTYLE
+            # may have set another for the session (the server reports it at connection).
+            if not (connection.info.parameter_status("DateStyle") or "ISO").startswith("ISO"):
+                connection.execute("SET DateStyle = ISO")
         except BaseException:
             connection.close()
             raise

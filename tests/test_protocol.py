@@ -910,6 +910,28 @@ def test_protocol_connections_are_opened_as_the_engine_opens_its_own(database_ur
         store.dispose()
 
 
+@pytest.mark.parametrize("date_style", ["SQL,DMY", "German", "Postgres,MDY"])
+def test_protocol_calls_read_times_whatever_date_style_the_session_starts_with(
+    database_url: str, date_style: str
+) -> None:
+    """psycopg reads times only in the ISO date style, which a role, a database or PGDATESTYLE
+    may have changed: the store's connections use it all the same."""
+    engine = engine_from_url(database_url, connect_args={"options": f"-c DateStyle={date_style}"})
+    store = LeaseStore(engine)
+    try:
+        with store.protocol_connection() as connection:
+            assert connection.info.parameter_status("DateStyle").startswith("ISO")
+        lease = store.acquire(NAME, holder="a", ttl=30).lease
+        assert lease is not None
+        owner = store.owner(NAME)
+        assert owner is not None
+        assert (owner.acquired_at, owner.expires_at) == (lease.acquired_at, lease.expires_at)
+        assert [entry.epoch for entry in store.history(NAME)] == [1]
+    finally:
+        store.dispose()
+        engine.dispose()
+
+
 def test_protocol_calls_do_not_wait_for_an_exhausted_engine_pool(database_url: str) -> None:
     engine = sa.create_engine(database_url, pool_size=1, max_overflow=0, pool_timeout=30)
     store = LeaseStore(engine)
