@@ -58,17 +58,22 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
     p_name text, p_holder text, p_ttl interval, p_max_hold interval
 ) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    -- Judged by the seconds they add to a time (span): compared as they are, intervals count a
+    -- year as 360 days, and '1 year -359 days' would pass for one day.
+    v_ttl interval := celery_fence.span(p_ttl);
+    v_max_hold interval := celery_fence.span(p_max_hold);
 BEGIN
     PERFORM celery_fence.check_name(p_name);
     IF p_holder IS NULL OR length(p_holder) NOT BETWEEN 1 AND 200 THEN
         RAISE EXCEPTION 'celery_fence: holder must be 1 to 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF p_ttl IS NULL OR p_ttl <= interval '0' OR p_ttl > interval '1 day' THEN
+    IF v_ttl IS NULL OR v_ttl <= interval '0' OR v_ttl > interval '1 day' THEN
         RAISE EXCEPTION 'celery_fence: ttl must be positive and at most 1 day, got %', p_ttl
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF p_max_hold IS NOT NULL AND (p_max_hold < p_ttl OR p_max_hold > interval '7 days') THEN
+    IF v_max_hold IS NOT NULL AND (v_max_hold < v_ttl OR v_max_hold > interval '7 days') THEN
         RAISE EXCEPTION 'celery_fence: max_hold must be between ttl and 7 days, got %', p_max_hold
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -166,7 +171,7 @@ DECLARE
     v_waited_from timestamptz;
     v_seen bigint;
     v_ttl interval := celery_fence.span(p_ttl);
-    v_hold interval := celery_fence.span(coalesce(p_max_hold, greatest(p_ttl, interval '1 day')));
+    v_hold interval := coalesce(celery_fence.span(p_max_hold), greatest(v_ttl, interval '24 hours'));
 BEGIN
     PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
     IF p_environment IS NULL OR length(p_environment) NOT BETWEEN 1 AND 64 THEN

@@ -4,6 +4,7 @@ wheel, and a clear error where it is missing."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -318,6 +319,19 @@ SUPERSEDED_SIGNATURES = [
         id="rejoin without its environment, successor and delivery prefix",
     ),
     pytest.param(
+        "rejoin",
+        """
+    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
+    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL""",
+        11,
+        "SELECT outcome, reason FROM celery_fence.rejoin("
+        "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
+        STALE_CALL,
+        "p_environment text, p_successor text, p_delivery_prefix text",
+        id="rejoin with its environment, without its successor and delivery prefix",
+    ),
+    pytest.param(
         "bound_lock_wait",
         "p_wait interval",
         8,
@@ -427,6 +441,37 @@ def test_upgrading_adds_the_sharers_column_where_the_first_schema_lacked_it(
         assert store.release(lease) == "released"
     finally:
         store.dispose()
+
+
+def test_upgrading_leaves_exactly_the_functions_of_the_current_version(
+    empty_database_url: str,
+) -> None:
+    """One signature of each function functions.sql creates, and none that an earlier version
+    left behind (queue_behind_writers, which upgrades from some development versions kept)."""
+    install(empty_database_url)
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version >= 11")
+            conn.exec_driver_sql(
+                "CREATE FUNCTION celery_fence.queue_behind_writers("
+                "p_name text, p_lock_timeout interval, p_since timestamptz DEFAULT NULL"
+                ") RETURNS void LANGUAGE sql AS ''"
+            )
+        assert install(empty_database_url) == _sql.latest_version()
+        with engine.connect() as conn:
+            installed = conn.exec_driver_sql(
+                "SELECT proname FROM pg_proc WHERE pronamespace = 'celery_fence'::regnamespace"
+            ).scalars()
+            names = sorted(installed)
+    finally:
+        engine.dispose()
+    created = re.findall(
+        r"^CREATE OR REPLACE FUNCTION celery_fence\.(\w+)\(", _sql.read("functions.sql"), re.M
+    )
+    assert names == sorted(created)
 
 
 # -- the printed script is what install runs -----------------------------------------------------

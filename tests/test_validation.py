@@ -309,6 +309,17 @@ SQL_CALLS = {
     "ttl negative": "SELECT celery_fence.acquire('x', 'prod', 'h', interval '-1 second')",
     "ttl null": "SELECT celery_fence.acquire('x', 'prod', 'h', NULL)",
     "ttl over a day": "SELECT celery_fence.acquire('x', 'prod', 'h', interval '25 hours')",
+    # Compared as it is, an interval counts a year as 360 days; added to a time, as 365.25.
+    "ttl of a year less 359 days": (
+        "SELECT celery_fence.acquire('x', 'prod', 'h', interval '1 year -359 days')"
+    ),
+    "max_hold of a year less 353 days": (
+        "SELECT celery_fence.acquire('x', 'prod', 'h', interval '1 hour', "
+        "interval '1 year -353 days')"
+    ),
+    "renew ttl of a year less 359 days": (
+        "SELECT celery_fence.renew('x', 1, gen_random_uuid(), interval '1 year -359 days')"
+    ),
     "name empty": "SELECT celery_fence.acquire('', 'prod', 'h', interval '10 seconds')",
     "name overlong": "SELECT celery_fence.acquire(repeat('x', 201), 'prod', 'h', interval '10 s')",
     "holder empty": "SELECT celery_fence.acquire('x', 'prod', '', interval '10 seconds')",
