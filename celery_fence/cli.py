@@ -292,18 +292,20 @@ def main(
 
 
 def _route_logs(ctx: click.Context, verbose: bool) -> None:
-    """The library's log lines repeat what the command prints: show them only with ``-v``,
-    so that an error stays one line."""
+    """The library's log lines repeat what the command prints: show them, and the warnings of
+    the libraries under it (psycopg's about a time zone it does not know, say), only with
+    ``-v``, so that an error stays one line."""
+    root = logging.getLogger()
     logger = logging.getLogger("celery_fence")
     handler = logging.StreamHandler(sys.stderr) if verbose else logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     level = logger.level
-    logger.addHandler(handler)
+    root.addHandler(handler)
     if verbose:
         logger.setLevel(logging.INFO)
 
     def restore() -> None:
-        logger.removeHandler(handler)
+        root.removeHandler(handler)
         logger.setLevel(level)
 
     ctx.call_on_close(restore)

@@ -255,6 +255,25 @@ def test_verbose_logs_on_stderr(database_url: str) -> None:
     assert "INFO celery_fence: lease job acquired by a at epoch 1" in result.stderr
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_warnings_of_the_libraries_below_show_only_when_verbose(
+    database_url: str, verbose: bool
+) -> None:
+    """psycopg warns of a session time zone it does not know (it prints times in UTC then). A
+    process of its own, since pytest's log capture would take the warning in this one."""
+    result = subprocess.run(
+        [sys.executable, "-m", "celery_fence.cli", *(["-v"] if verbose else []), "status"],
+        env={**os.environ, "CELERY_FENCE_DATABASE_URL": database_url, "PGTZ": "UTC+5"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stdout) == (0, "no leases\n"), result.stderr
+    warning = "WARNING psycopg: unknown PostgreSQL timezone: 'UTC+5'; will use UTC\n"
+    assert result.stderr == (warning if verbose else "")
+
+
 # -- renew and release ------------------------------------------------------------------------
 
 
