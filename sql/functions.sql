@@ -55,6 +55,16 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION celery_fence.check_length(p_value text, p_what text, p_max integer)
+RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_value IS NULL OR length(p_value) NOT BETWEEN 1 AND p_max THEN
+        RAISE EXCEPTION 'celery_fence: % must be 1 to % characters', p_what, p_max
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
     p_name text, p_holder text, p_ttl interval, p_max_hold interval
 ) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
@@ -576,14 +586,8 @@ DECLARE
     v_now timestamptz;
 BEGIN
     PERFORM celery_fence.check_name(p_name);
-    IF p_reason IS NULL OR length(p_reason) NOT BETWEEN 1 AND 500 THEN
-        RAISE EXCEPTION 'celery_fence: pause reason must be 1 to 500 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF p_by IS NULL OR length(p_by) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'celery_fence: who pauses (p_by) must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
+    PERFORM celery_fence.check_length(p_reason, 'pause reason', 500);
+    PERFORM celery_fence.check_length(p_by, 'who pauses (p_by)', 200);
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
@@ -596,11 +600,9 @@ BEGIN
     IF v_row.name IS NULL THEN
         -- A lease paused before it was ever acquired: its stale runs are recorded under the
         -- environment given here, so there must be one.
-        IF p_environment IS NULL OR length(p_environment) NOT BETWEEN 1 AND 64 THEN
-            RAISE EXCEPTION 'celery_fence: environment must be 1 to 64 characters to pause a '
-                'lease that does not exist yet'
-                USING ERRCODE = 'invalid_parameter_value';
-        END IF;
+        PERFORM celery_fence.check_length(
+            p_environment, 'environment (to pause a lease that does not exist yet)', 64
+        );
         INSERT INTO celery_fence.leases AS l (
             name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
             expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at

@@ -13,6 +13,7 @@ import uuid
 import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,27 @@ def test_upgrading_from_schema_2_keeps_every_epoch_in_the_history(empty_database
     ]
 
 
+@contextmanager
+def upgraded(url: str, *, before: int, earlier: str) -> Iterator[sa.Engine]:
+    """The database ``url`` as a version before migration ``before`` left it (the current
+    schema, with ``earlier``, SQL that puts back what that version had, and without the record of
+    migration ``before`` and later), then upgraded by ``install``: an engine on it for the
+    block."""
+    install(url)
+    engine = sa.create_engine(libpq_url(url, driver="postgresql+psycopg"), poolclass=sa.NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text("DELETE FROM celery_fence.migrations WHERE version >= :version"),
+                {"version": before},
+            )
+            conn.exec_driver_sql(earlier)
+        assert install(url) == _sql.latest_version()
+        yield engine
+    finally:
+        engine.dispose()
+
+
 # renew's arguments up to schema 4, and a call that leaves every later one out.
 RENEW_OF_SCHEMA_4 = """
     p_name text, p_epoch bigint, p_token uuid, p_ttl interval, p_holder text DEFAULT '',
@@ -378,31 +400,22 @@ def test_upgrading_leaves_one_signature_of_a_function(
 ) -> None:
     """Beside the earlier signature, the one taking more arguments would make every call that
     leaves them out ambiguous: the upgrade drops the earlier one."""
-    install(empty_database_url)
-    engine = sa.create_engine(
-        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
-    )
     signatures = sa.text(
         "SELECT pg_get_function_identity_arguments(oid) FROM pg_proc"
         " WHERE pronamespace = 'celery_fence'::regnamespace AND proname = :function"
     )
-    try:
-        with engine.begin() as conn:
-            conn.execute(
-                sa.text("DELETE FROM celery_fence.migrations WHERE version >= :version"),
-                {"version": version},
-            )
-            # The earlier signature (its body is beside the point here).
-            conn.exec_driver_sql(
-                f"CREATE FUNCTION celery_fence.{function}({earlier}) RETURNS celery_fence.answer"
-                " LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$"
-            )
-        assert install(empty_database_url) == _sql.latest_version()
-        with engine.begin() as conn:
-            (arguments,) = conn.execute(signatures, {"function": function}).scalars()
-            assert tuple(conn.execute(sa.text(call)).one()) == answer
-    finally:
-        engine.dispose()
+    # The earlier signature (its body is beside the point here).
+    with (
+        upgraded(
+            empty_database_url,
+            before=version,
+            earlier=f"CREATE FUNCTION celery_fence.{function}({earlier})"
+            " RETURNS celery_fence.answer LANGUAGE sql AS $$ SELECT NULL::celery_fence.answer $$",
+        ) as engine,
+        engine.begin() as conn,
+    ):
+        (arguments,) = conn.execute(signatures, {"function": function}).scalars()
+        assert tuple(conn.execute(sa.text(call)).one()) == answer
     assert arguments.endswith(arguments_end)
 
 
@@ -411,28 +424,24 @@ def test_upgrading_adds_the_sharers_column_where_the_first_schema_lacked_it(
 ) -> None:
     """Early installs of schema 1 created the lease table without ``sharers``; a release, which
     counts them down, failed on such a database until the upgrade added it."""
-    install(empty_database_url)
-    engine = sa.create_engine(
-        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
-    )
-    try:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("ALTER TABLE celery_fence.leases DROP COLUMN sharers")
-            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version >= 8")
-        assert install(empty_database_url) == _sql.latest_version()
-        with engine.connect() as conn:
-            column = conn.exec_driver_sql(
-                "SELECT data_type, column_default, is_nullable FROM information_schema.columns"
-                " WHERE table_schema = 'celery_fence' AND table_name = 'leases'"
-                " AND column_name = 'sharers'"
-            ).one()
-            checks = conn.exec_driver_sql(
-                "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
-                " WHERE conrelid = 'celery_fence.leases'::regclass AND contype = 'c'"
-            ).scalars()
-            assert "CHECK ((sharers >= 0))" in list(checks)
-    finally:
-        engine.dispose()
+    with (
+        upgraded(
+            empty_database_url,
+            before=8,
+            earlier="ALTER TABLE celery_fence.leases DROP COLUMN sharers",
+        ) as engine,
+        engine.connect() as conn,
+    ):
+        column = conn.exec_driver_sql(
+            "SELECT data_type, column_default, is_nullable FROM information_schema.columns"
+            " WHERE table_schema = 'celery_fence' AND table_name = 'leases'"
+            " AND column_name = 'sharers'"
+        ).one()
+        checks = conn.exec_driver_sql(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = 'celery_fence.leases'::regclass AND contype = 'c'"
+        ).scalars()
+        assert "CHECK ((sharers >= 0))" in list(checks)
     assert tuple(column) == ("integer", "1", "NO")
     store = LeaseStore.from_url(empty_database_url)
     try:
@@ -448,26 +457,21 @@ def test_upgrading_leaves_exactly_the_functions_of_the_current_version(
 ) -> None:
     """One signature of each function functions.sql creates, and none that an earlier version
     left behind (queue_behind_writers, which upgrades from some development versions kept)."""
-    install(empty_database_url)
-    engine = sa.create_engine(
-        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
-    )
-    try:
-        with engine.begin() as conn:
-            conn.exec_driver_sql("DELETE FROM celery_fence.migrations WHERE version >= 11")
+    with (
+        upgraded(
+            empty_database_url,
+            before=11,
+            earlier="CREATE FUNCTION celery_fence.queue_behind_writers("
+            "p_name text, p_lock_timeout interval, p_since timestamptz DEFAULT NULL"
+            ") RETURNS void LANGUAGE sql AS ''",
+        ) as engine,
+        engine.connect() as conn,
+    ):
+        names = sorted(
             conn.exec_driver_sql(
-                "CREATE FUNCTION celery_fence.queue_behind_writers("
-                "p_name text, p_lock_timeout interval, p_since timestamptz DEFAULT NULL"
-                ") RETURNS void LANGUAGE sql AS ''"
-            )
-        assert install(empty_database_url) == _sql.latest_version()
-        with engine.connect() as conn:
-            installed = conn.exec_driver_sql(
                 "SELECT proname FROM pg_proc WHERE pronamespace = 'celery_fence'::regnamespace"
             ).scalars()
-            names = sorted(installed)
-    finally:
-        engine.dispose()
+        )
     created = re.findall(
         r"^CREATE OR REPLACE FUNCTION celery_fence\.(\w+)\(", _sql.read("functions.sql"), re.M
     )
