@@ -264,10 +264,13 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     show_envvar=True,
     metavar="SECONDS",
     help="How long acquire, renew, release, pause and resume wait behind fenced writers "
-    "(at most 60).",
+    f"(at most {validation.MAX_LOCK_TIMEOUT_SECONDS:g}).",
 )
 @click.option(
-    "-v", "--verbose", is_flag=True, help="Also log acquisitions and rejections on stderr."
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Also log acquisitions, rejections and the warnings of the libraries below on stderr.",
 )
 @click.version_option(package_name="celery-fence", prog_name="celery-fence")
 @click.pass_context
@@ -283,6 +286,12 @@ def main(
     Exit codes: 0 ok, 1 error, 2 bad input, 3 lease held by another, 4 lease paused,
     5 lease lost.
     """
+    try:
+        validation.check_seconds(
+            lock_timeout, "--lock-timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
+        )
+    except ConfigurationError as exc:
+        raise BadInput(str(exc)) from exc
     settings = Settings(
         database_url=database_url, environment=environment, lock_timeout=lock_timeout
     )

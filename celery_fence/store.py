@@ -41,6 +41,7 @@ _STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "miss
 # Where _cursor() keeps its cursor in a pooled connection's info.
 _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
+_SESSION_SETTINGS = "SET DateStyle = ISO; SET extra_float_digits = 3"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
 # The stale reason of a lease the check found no row for.
@@ -225,10 +226,10 @@ class _Connections:
         assert connection is not None  # a connection just checked out is open
         try:
             self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
-            # psycopg reads times only in the ISO date style; a role, database or PGDATESTYLE
-            # may have set another for the session (the server reports it at connection).
-            if not (connection.info.parameter_status("DateStyle") or "ISO").startswith("ISO"):
-                connection.execute("SET DateStyle = ISO")
+            # What a role, a database or the environment (PGDATESTYLE, PGOPTIONS) may have set
+            # otherwise for the session: psycopg reads times only in the ISO date style, and a
+            # lease's remaining seconds, a float sent as text, must keep every digit.
+            connection.execute(_SESSION_SETTINGS)
         except BaseException:
             connection.close()
             raise
@@ -398,7 +399,9 @@ class LeaseStore:
         self.max_ttl = validation.check_seconds(
             max_ttl, "max_ttl", maximum=validation.MAX_TTL_SECONDS
         )
-        self.lock_timeout = validation.check_seconds(lock_timeout, "lock_timeout", maximum=60)
+        self.lock_timeout = validation.check_seconds(
+            lock_timeout, "lock_timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
+        )
         self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
         self.default_environment = validation.check_environment(default_environment)
         self.metrics = Metrics()

@@ -12,6 +12,8 @@ MAX_ENVIRONMENT_LENGTH = 64
 MAX_TEXT_LENGTH = 500
 MAX_TTL_SECONDS = 86_400.0
 MAX_HOLD_SECONDS = 7 * 86_400.0
+#: The longest a protocol call may wait behind fenced writers (a store's ``lock_timeout``).
+MAX_LOCK_TIMEOUT_SECONDS = 60.0
 #: The maximum hold of a lease acquired without one is the longer of its TTL and this (the
 #: default of ``celery_fence.acquire``).
 DEFAULT_MAX_HOLD_SECONDS = 86_400.0

@@ -390,8 +390,8 @@ def test_a_call_kept_waiting_by_a_fenced_writer_is_one_line_and_changes_nothing(
         "pause": ["job", "--reason", "audit"],
         "resume": ["job"],
     }[command]
-    # A fenced writer's lock on the lease row, held until its transaction ends (or, for a call
-    # that would wait without bound, until the server ends the idle session).
+    # A fenced writer's lock on the lease row, held until its transaction ends (or, should a
+    # call wait past its lock timeout, until the server ends the idle session).
     with store.engine.connect() as writer:
         writer.exec_driver_sql("SET idle_in_transaction_session_timeout = '10s'")
         writer.exec_driver_sql("SELECT 1 FROM celery_fence.leases WHERE name = 'job' FOR SHARE")
@@ -409,7 +409,7 @@ def test_a_call_kept_waiting_by_a_fenced_writer_is_one_line_and_changes_nothing(
 
 def test_a_lock_timeout_beyond_a_minute_is_bad_input(database_url: str) -> None:
     result = cli(database_url, "--lock-timeout", "61", "pause", "job", "--reason", "audit")
-    assert_error(result, ExitCode.USAGE, "lock_timeout must be at most 60 seconds")
+    assert_error(result, ExitCode.USAGE, "--lock-timeout must be at most 60 seconds, got 61")
     assert cli(database_url, "status").stdout == "no leases\n"
 
 

@@ -884,7 +884,7 @@ def test_a_shadow_check_judging_afresh_does_not_queue_behind_a_call_that_waits_f
     """Under REPEATABLE READ, a lease acquired after the snapshot is judged afresh on the
     store's own connection while the caller's transaction holds the lease's writers' key. A
     pause that comes in between waits for that transaction: the judgement must not wait for the
-    key behind the pause, which nothing would ever end."""
+    key behind the pause, a wait that would end only with the pause giving up."""
     judged = store._judged_afresh
     ended: list[str] = []
 

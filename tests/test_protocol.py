@@ -911,18 +911,24 @@ def test_protocol_connections_are_opened_as_the_engine_opens_its_own(database_ur
 
 
 @pytest.mark.parametrize("date_style", ["SQL,DMY", "German", "Postgres,MDY"])
-def test_protocol_calls_read_times_whatever_date_style_the_session_starts_with(
+def test_protocol_calls_read_times_and_spans_whatever_the_session_starts_with(
     database_url: str, date_style: str
 ) -> None:
-    """psycopg reads times only in the ISO date style, which a role, a database or PGDATESTYLE
-    may have changed: the store's connections use it all the same."""
-    engine = engine_from_url(database_url, connect_args={"options": f"-c DateStyle={date_style}"})
-    store = LeaseStore(engine)
+    """psycopg reads times only in the ISO date style, and the seconds a lease has left come as
+    a float in text, which a low ``extra_float_digits`` rounds (to one digit at -15): a role, a
+    database or PGOPTIONS may have set either. The store's connections read both in full."""
+    engine = engine_from_url(
+        database_url,
+        connect_args={"options": f"-c DateStyle={date_style} -c extra_float_digits=-15"},
+    )
+    store = LeaseStore(engine, safety_margin=0.1)
     try:
-        with store.protocol_connection() as connection:
-            assert connection.info.parameter_status("DateStyle").startswith("ISO")
-        lease = store.acquire(NAME, holder="a", ttl=30).lease
+        started = time.monotonic()
+        lease = store.acquire(NAME, holder="a", ttl=26).lease
         assert lease is not None
+        # 26 s less the margin, counted from before the request: 23.4 s, never the 27 s less
+        # the margin that a remaining time rounded to 30 s would give.
+        assert started + 23.3 <= lease.deadline <= time.monotonic() + 23.4
         owner = store.owner(NAME)
         assert owner is not None
         assert (owner.acquired_at, owner.expires_at) == (lease.acquired_at, lease.expires_at)
