@@ -331,6 +331,15 @@ def _quiet(connection: Any) -> bool:
     return not readable
 
 
+def _refuse_ended(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """A pool checkout listener: a pooled connection the server ended while it was idle is
+    discarded, and the pool hands out another (SQLAlchemy's ``DisconnectionError`` protocol),
+    as ``pool_pre_ping`` would, without its round trip. A silent network drop leaves nothing to
+    read: ``pool_pre_ping`` still covers that."""
+    if not _quiet(dbapi_connection):
+        raise sa.exc.DisconnectionError("the server ended this connection while it was idle")
+
+
 # Every store's connections, so that a forked child sets its parent's aside before any use.
 _EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
 
@@ -413,6 +422,8 @@ class LeaseStore:
                 "celery-fence needs psycopg 3 without asyncio (postgresql+psycopg://), got "
                 f"{engine.url.drivername}"
             )
+        if not sa.event.contains(engine, "checkout", _refuse_ended):
+            sa.event.listen(engine, "checkout", _refuse_ended)
         self._connections = _Connections(engine, keep=pool_size, limit=2 * pool_size)
         weakref.finalize(self, self._connections.close)
         self._statements = {

@@ -1120,6 +1120,33 @@ def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
     assert (record.reason, record.action, record.stale_epoch) == ("expired", "publish", 1)
 
 
+def test_a_pooled_connection_ended_by_the_server_while_idle_is_replaced_at_checkout(
+    database_url: str, engine: Engine
+) -> None:
+    """The beat's slot claim and every guard take a connection from the engine's pool: one the
+    server ended while it waited there (idle_session_timeout, a failover, pg_terminate_backend)
+    must not fail them; SQLAlchemy's pool would hand it out as it is."""
+    pooled = engine_from_url(database_url, poolclass=sa.pool.QueuePool, pool_size=1)
+    store = LeaseStore(pooled)
+    again = LeaseStore(pooled)  # a second store on the engine checks it no second time
+    try:
+        lease = held(store.acquire(NAME, holder="a", ttl=30, environment="prod"))
+        slot = datetime(2026, 12, 1, tzinfo=timezone.utc)
+        for attempt in range(2):
+            with pooled.connect() as conn:
+                ended = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            _end_session(engine, ended)
+            claimed = store.claim_slot(lease, entry=f"plan-{attempt}", slot=slot, task="t.plan")
+            assert claimed
+            with pooled.connect() as conn:
+                assert conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one() != ended
+        assert [event.__name__ for event in pooled.pool.dispatch.checkout] == ["_refuse_ended"]
+    finally:
+        again.dispose()
+        store.dispose()
+        pooled.dispose()
+
+
 def test_an_engine_from_a_url_bounds_connecting_and_keeps_connections_alive(
     database_url: str,
 ) -> None:
