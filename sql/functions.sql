@@ -634,11 +634,15 @@ BEGIN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
+    v_now := coalesce(p_now, clock_timestamp());
+    -- The epoch the pause found ends here: its holder was refused all through the pause (and
+    -- told so at its first renewal), so the lease is free for a new epoch, not held by a holder
+    -- that may have stopped trusting it.
     UPDATE celery_fence.leases AS l SET
-        paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL
+        paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL,
+        expires_at = CASE WHEN l.paused THEN least(l.expires_at, v_now) ELSE l.expires_at END
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
-    v_now := coalesce(p_now, clock_timestamp());
     RETURN celery_fence.answer_of(
         CASE WHEN v_row.name IS NULL THEN 'missing' ELSE 'resumed' END, NULL, v_row, false, v_now
     );

@@ -491,9 +491,19 @@ def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
     assert caught.value.owner.paused_by == "ops"
     [run] = store.stale_runs(environment="prod")
     assert (run.action, run.reason, run.stale_epoch, run.current_epoch) == ("renew", "paused", 1, 1)
-    store.resume(NAME)
-    # Resuming gives the lease back to its holder while it has not expired.
-    assert store.renew(lease).epoch == lease.epoch
+    resumed = store.resume(NAME)
+    # Resuming ends the epoch the pause found, which its holder was told it lost: the lease is
+    # free for a new one at once, not held by nobody until it runs out.
+    assert resumed.state == "expired"
+    assert resumed.expires_at < lease.expires_at
+    with pytest.raises(LeaseLostError) as caught:
+        store.renew(lease)
+    assert caught.value.reason == "expired"
+    taken = held(store.acquire(NAME, holder="b", ttl=300, environment="prod"))
+    assert taken.epoch == lease.epoch + 1
+    ended = store.history(NAME)[-1]
+    assert (ended.epoch, ended.holder, ended.end_reason) == (1, "a", "expired")
+    assert ended.ended_at == resumed.expires_at
 
 
 def test_pausing_a_lease_never_acquired_then_resuming_starts_at_epoch_one(

@@ -229,7 +229,11 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.store.resume(self.name)
             return
         assert not self.store.resume(self.name).paused
-        self.model.paused = False
+        model = self.model
+        if model.paused:
+            # The epoch the pause found ends with it.
+            model.expires = min(model.expires, model.now)
+        model.paused = False
 
     # -- invariants ---------------------------------------------------------------------------
 

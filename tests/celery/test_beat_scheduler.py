@@ -197,6 +197,28 @@ def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_
     assert (beat.lease.epoch, beat.halted) == (2, None)
 
 
+def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_resumed(
+    app: Celery, store: LeaseStore, scheduler: NewScheduler
+) -> None:
+    """The pause refused the leader's dispatch, so it stepped down and let its lease go. On
+    resume the lease is free at once: nothing waits for the epoch the pause found to run out."""
+    beat = scheduler()
+    beat.tick()
+    assert beat.lease is not None
+    store.pause(beat.lease_name, reason="investigating double sends", by="ops")
+    beat.apply_async(make_due(beat))  # its claim of the slot is refused: it steps down
+    assert (beat.lease, beat.halted) == (None, None)
+    assert queued(app) == []
+
+    store.resume(beat.lease_name)
+    beat.tick()
+
+    assert beat.lease is not None
+    assert (beat.lease.epoch, beat.halted) == (2, None)
+    beat.apply_async(make_due(beat))
+    assert len(queued(app)) == 1
+
+
 @pytest.fixture
 def clocked_app(fake_store: LeaseStore) -> Iterator[Celery]:
     """An app whose scheduler instances use the injected clock, with one crontab entry every
