@@ -122,8 +122,9 @@ def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_b
     app: Celery, store: LeaseStore, scheduler: NewScheduler
 ) -> None:
     leader, standby = scheduler(), scheduler()
-    leader.tick()
+    leader.tick()  # leads, and sends the current slot, which nobody sent yet
     assert leader.lease is not None
+    [sent] = store.dispatches(leader.lease_name)
     passed = make_due(standby)
 
     assert standby.tick() == standby.renew_interval
@@ -132,16 +133,16 @@ def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_b
     entry = standby.schedule[ENTRY]
     assert entry.last_run_at > passed.last_run_at
     assert entry.total_run_count == passed.total_run_count + 1
-    assert store.dispatches(leader.lease_name) == []
-    assert queued(app) == []
+    assert store.dispatches(leader.lease_name) == [sent]
+    assert len(queued(app)) == 1
 
     # The leader goes; the standby takes over, with nothing due.
     leader.close()
     standby.tick()
     assert standby.lease is not None
     assert standby.lease.epoch == 2
-    assert store.dispatches(standby.lease_name) == []
-    assert queued(app) == []
+    assert store.dispatches(standby.lease_name) == [sent]
+    assert len(queued(app)) == 1
 
 
 def test_a_slot_is_claimed_and_sent_at_most_once_across_instances(
@@ -203,7 +204,12 @@ def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_res
     """The pause refused the leader's dispatch, so it stepped down and let its lease go. On
     resume the lease is free at once: nothing waits for the epoch the pause found to run out."""
     beat = scheduler()
+    # Paused from the start, so that the current slot passes unsent.
+    store.pause(beat.lease_name, reason="investigating double sends", by="ops")
     beat.tick()
+    assert beat.lease is None
+    store.resume(beat.lease_name)
+    beat.tick()  # leads at epoch 1
     assert beat.lease is not None
     store.pause(beat.lease_name, reason="investigating double sends", by="ops")
     beat.apply_async(make_due(beat))  # its claim of the slot is refused: it steps down
@@ -215,8 +221,7 @@ def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_res
 
     assert beat.lease is not None
     assert (beat.lease.epoch, beat.halted) == (2, None)
-    beat.apply_async(make_due(beat))
-    assert len(queued(app)) == 1
+    assert len(queued(app)) == 1  # the slot the pause kept from going out
 
 
 @pytest.fixture
@@ -281,6 +286,29 @@ def test_a_former_leader_that_leads_again_sends_nothing_its_successor_sent(
         finally:
             first.close()
             second.close()
+
+
+def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """An interval entry comes due at the start of each of its slots, not a period after its
+    instance started, and a beat that starts sends the current slot unless it was sent: beat
+    restarted every 7 s (by deploys, say) still sends a 10 s entry, once per slot."""
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": timedelta(seconds=10)}
+    }
+    with freeze_time("2030-01-01T10:00:03+00:00", ignore=["_pytest.timing"]) as frozen:
+        for _ in range(6):  # 42 seconds, one instance after another
+            beat = FencedScheduler(app=clocked_app, lazy=False)
+            try:
+                for _ in range(7):
+                    beat.tick()
+                    frozen.tick(1)
+            finally:
+                beat.close()
+    slots = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
+    assert slots == ["10:00:00", "10:00:10", "10:00:20", "10:00:30", "10:00:40"]
+    assert len(queued(clocked_app)) == 5
 
 
 def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(

@@ -41,15 +41,28 @@ def slot_of(entry: ScheduleEntry, now: datetime) -> datetime:
     """The slot a due entry fires for, the same on every instance: interval schedules in
     buckets of their period counted from the Unix epoch, crontabs by the minute, anything else
     by the second."""
+    step = _slot_seconds(entry)
+    return datetime.fromtimestamp(math.floor(now.timestamp() / step) * step, tz=timezone.utc)
+
+
+def _slot_seconds(entry: ScheduleEntry) -> float:
+    """How long one slot of ``entry`` lasts (see :func:`slot_of`)."""
     schedule = entry.schedule
-    timestamp = now.timestamp()
     if isinstance(schedule, schedules.crontab):
-        step = 60.0
-    elif isinstance(schedule, schedules.schedule):
-        step = max(schedule.run_every.total_seconds(), 1.0)
-    else:
-        step = 1.0
-    return datetime.fromtimestamp(math.floor(timestamp / step) * step, tz=timezone.utc)
+        return 60.0
+    if isinstance(schedule, schedules.schedule):
+        return max(float(schedule.run_every.total_seconds()), 1.0)
+    return 1.0
+
+
+def _on_the_grid(entry: ScheduleEntry, now: datetime, *, behind: bool = False) -> None:
+    """Count an interval entry's last run from the start of its slot at ``now`` (``behind``:
+    of the slot before), so that it comes due where its next slot starts (``behind``: at once),
+    on every instance alike. Counted from whenever an instance started, an entry whose period is
+    longer than beat instances live (restarted by deploys) would never come due."""
+    if isinstance(entry.schedule, schedules.schedule):
+        start = slot_of(entry, now)
+        entry.last_run_at = start - entry.schedule.run_every if behind else start
 
 
 class FencedScheduler(Scheduler):  # type: ignore[misc]
@@ -90,6 +103,29 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             f"environment {self.fence.settings.environment})\n"
             f"    . holder -> beat@{socket.gethostname()}:{os.getpid()} (and a nonce per start)"
         )
+
+    def setup_schedule(self) -> None:
+        """The schedule, with each interval entry due at once for its current slot: sent then
+        unless an instance sent it already (its claim says), so that a slot whose start fell
+        while beat restarted is not lost."""
+        super().setup_schedule()
+        now = datetime.now(timezone.utc)
+        for entry in self.schedule.values():
+            _on_the_grid(entry, now, behind=True)
+
+    def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
+        """Celery's answer, except that an interval entry sent now comes due again where its
+        next slot starts, not a period from now."""
+        due, next_time = super().is_due(entry)
+        if due and isinstance(entry.schedule, schedules.schedule):
+            now = datetime.now(timezone.utc)
+            next_time = _slot_seconds(entry) - (now - slot_of(entry, now)).total_seconds()
+        return bool(due), float(next_time)
+
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        new_entry: ScheduleEntry = super().reserve(entry)
+        _on_the_grid(new_entry, datetime.now(timezone.utc))
+        return new_entry
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         if self.halted is not None:
