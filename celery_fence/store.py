@@ -321,7 +321,10 @@ class _Connections:
 def _quiet(connection: Any) -> bool:
     """Whether an idle protocol connection has nothing to read. It listens to no channel and
     sends no query, so anything the server sent it since (the error that ends a terminated
-    session, before the socket closes) means it is not to be used again."""
+    session, before the socket closes) means it is not to be used again, as does a connection
+    closed or found broken before."""
+    if connection.closed or connection.broken:
+        return False
     socket = connection.pgconn.socket
     if hasattr(select, "poll"):
         poller = select.poll()

@@ -593,8 +593,10 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     v_now := coalesce(p_now, clock_timestamp());
+    -- A lease paused again keeps the time its pause began (see resume).
     UPDATE celery_fence.leases AS l SET
-        paused = true, paused_reason = p_reason, paused_by = p_by, paused_at = v_now
+        paused = true, paused_reason = p_reason, paused_by = p_by,
+        paused_at = CASE WHEN l.paused THEN l.paused_at ELSE v_now END
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
     IF v_row.name IS NULL THEN
@@ -611,8 +613,8 @@ BEGIN
             v_now, v_now, v_now, true, p_reason, p_by, v_now
         )
         ON CONFLICT (name) DO UPDATE SET
-            paused = true, paused_reason = excluded.paused_reason,
-            paused_by = excluded.paused_by, paused_at = excluded.paused_at
+            paused = true, paused_reason = excluded.paused_reason, paused_by = excluded.paused_by,
+            paused_at = CASE WHEN l.paused THEN l.paused_at ELSE excluded.paused_at END
         RETURNING l.* INTO v_row;
     END IF;
     RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
@@ -635,12 +637,20 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     v_now := coalesce(p_now, clock_timestamp());
-    -- The epoch the pause found ends here: its holder was refused all through the pause (and
-    -- told so at its first renewal), so the lease is free for a new epoch, not held by a holder
-    -- that may have stopped trusting it.
+    -- The epoch the pause found ends here if its holder was refused during the pause (a stale
+    -- run recorded for it, reason paused): told it lost the lease, the holder stopped trusting
+    -- it, so the lease is free for a new epoch rather than held by nobody until it runs out. A
+    -- holder that was never refused still trusts its lease, and keeps it.
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL,
-        expires_at = CASE WHEN l.paused THEN least(l.expires_at, v_now) ELSE l.expires_at END
+        expires_at = CASE
+            WHEN l.paused AND EXISTS (
+                SELECT 1 FROM celery_fence.stale_runs s
+                WHERE s.lease_name = l.name AND s.recorded_at >= l.paused_at
+                  AND s.stale_epoch = l.epoch AND s.reason = 'paused'
+            ) THEN least(l.expires_at, v_now)
+            ELSE l.expires_at
+        END
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
     RETURN celery_fence.answer_of(

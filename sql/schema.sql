@@ -62,6 +62,9 @@ CREATE TABLE celery_fence.stale_runs (
 CREATE INDEX stale_runs_environment_idx
     ON celery_fence.stale_runs (environment, recorded_at DESC, id DESC);
 
+CREATE INDEX stale_runs_lease_idx
+    ON celery_fence.stale_runs (lease_name, recorded_at DESC, id DESC);
+
 -- The answer every protocol function gives: what happened, and the lease as it now stands.
 -- The token is filled only for the caller that holds the lease.
 CREATE TYPE celery_fence.answer AS (

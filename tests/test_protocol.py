@@ -492,7 +492,7 @@ def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
     [run] = store.stale_runs(environment="prod")
     assert (run.action, run.reason, run.stale_epoch, run.current_epoch) == ("renew", "paused", 1, 1)
     resumed = store.resume(NAME)
-    # Resuming ends the epoch the pause found, which its holder was told it lost: the lease is
+    # Resuming ends the epoch the pause found, whose holder was told it lost it: the lease is
     # free for a new one at once, not held by nobody until it runs out.
     assert resumed.state == "expired"
     assert resumed.expires_at < lease.expires_at
@@ -504,6 +504,29 @@ def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
     ended = store.history(NAME)[-1]
     assert (ended.epoch, ended.holder, ended.end_reason) == (1, "a", "expired")
     assert ended.ended_at == resumed.expires_at
+
+
+def test_a_holder_never_refused_during_a_pause_keeps_its_lease_after_it(
+    store: LeaseStore,
+) -> None:
+    """Nothing told it the lease was paused, so it still trusts it: the resume must not hand
+    the lease to another holder while it does."""
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    store.pause(NAME, reason="freeze", by="ops")
+    store.pause(NAME, reason="freeze, ticket 7", by="ops")  # paused again: still one pause
+    resumed = store.resume(NAME)
+    assert (resumed.state, resumed.epoch, resumed.expires_at) == (
+        "held",
+        lease.epoch,
+        lease.expires_at,
+    )
+    assert store.renew(lease).epoch == lease.epoch
+    # Refused while paused, even if the refusal came before the lease was paused again.
+    store.pause(NAME, reason="freeze", by="ops")
+    with pytest.raises(LeaseLostError):
+        store.renew(lease)
+    store.pause(NAME, reason="freeze, ticket 8", by="ops")
+    assert store.resume(NAME).state == "expired"
 
 
 def test_pausing_a_lease_never_acquired_then_resuming_starts_at_epoch_one(
@@ -1130,13 +1153,17 @@ def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
     assert (record.reason, record.action, record.stale_epoch) == ("expired", "publish", 1)
 
 
-def test_a_pooled_connection_ended_by_the_server_while_idle_is_replaced_at_checkout(
-    database_url: str, engine: Engine
+@pytest.mark.parametrize("ended_by", ["the server", "its user"])
+def test_a_pooled_connection_ended_while_idle_is_replaced_at_checkout(
+    database_url: str, engine: Engine, ended_by: str
 ) -> None:
     """The beat's slot claim and every guard take a connection from the engine's pool: one the
-    server ended while it waited there (idle_session_timeout, a failover, pg_terminate_backend)
-    must not fail them; SQLAlchemy's pool would hand it out as it is."""
-    pooled = engine_from_url(database_url, poolclass=sa.pool.QueuePool, pool_size=1)
+    server ended while it waited there (idle_session_timeout, a failover, pg_terminate_backend),
+    or that code using it closed (put back without a reset), must not fail them; SQLAlchemy's
+    pool would hand it out as it is."""
+    pooled = engine_from_url(
+        database_url, poolclass=sa.pool.QueuePool, pool_size=1, pool_reset_on_return=None
+    )
     store = LeaseStore(pooled)
     again = LeaseStore(pooled)  # a second store on the engine checks it no second time
     try:
@@ -1145,7 +1172,13 @@ def test_a_pooled_connection_ended_by_the_server_while_idle_is_replaced_at_check
         for attempt in range(2):
             with pooled.connect() as conn:
                 ended = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
-            _end_session(engine, ended)
+                if ended_by == "its user":
+                    conn.commit()
+                    dbapi_connection = conn.connection.dbapi_connection
+                    assert dbapi_connection is not None
+                    dbapi_connection.close()
+            if ended_by == "the server":
+                _end_session(engine, ended)
             claimed = store.claim_slot(lease, entry=f"plan-{attempt}", slot=slot, task="t.plan")
             assert claimed
             with pooled.connect() as conn:

@@ -67,6 +67,8 @@ class Model:
     hold_until: float = 0.0
     released: bool = False
     paused: bool = False
+    #: Whether a holder of the epoch was refused (and told) since the lease was paused.
+    refused_while_paused: bool = False
     grants: dict[str, Grant] = field(default_factory=dict)
     stale_runs: int = 0
     writes: int = 0
@@ -87,6 +89,12 @@ class Model:
             return "superseded"
         state = self.state()
         return None if state == "held" else state
+
+    def refused(self, reason: str, grant: Grant) -> None:
+        """A stale run of ``grant`` was recorded for ``reason``."""
+        self.stale_runs += 1
+        if reason == "paused" and grant.lease.epoch == self.epoch:
+            self.refused_while_paused = True
 
     def grant(self, lease: Lease) -> Grant:
         return Grant(lease, self.now + (self.expires - self.now) * (1 - SAFETY_MARGIN))
@@ -153,7 +161,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(LeaseLostError) as caught:
                 self.store.renew(grant.lease)
             assert caught.value.reason == reason
-            model.stale_runs += 1
+            model.refused(reason, grant)
             return
         renewed = self.store.renew(grant.lease)
         model.expires = max(model.expires, min(model.now + grant.lease.ttl, model.hold_until))
@@ -177,7 +185,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(LeaseLostError) as caught:
                 self.store.release(grant.lease)
             assert caught.value.reason == model.stale_reason(grant)
-            model.stale_runs += 1
+            model.refused(caught.value.reason, grant)
 
     @precondition(lambda self: self.model.grants)
     @rule(data=st.data())
@@ -195,7 +203,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(StaleEpochError) as caught:
                 self.write(grant.lease, ran)
             assert caught.value.reason == expected
-            model.stale_runs += 1
+            model.refused(expected, grant)
         assert bool(ran) is trusted
 
     def write(self, lease: Lease, ran: list[Lease]) -> None:
@@ -230,10 +238,10 @@ class LeaseMachine(RuleBasedStateMachine):
             return
         assert not self.store.resume(self.name).paused
         model = self.model
-        if model.paused:
-            # The epoch the pause found ends with it.
+        if model.paused and model.refused_while_paused:
+            # The epoch the pause found ends with it, since its holder was told it lost it.
             model.expires = min(model.expires, model.now)
-        model.paused = False
+        model.paused = model.refused_while_paused = False
 
     # -- invariants ---------------------------------------------------------------------------
 

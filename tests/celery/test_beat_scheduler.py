@@ -25,8 +25,10 @@ from celery_fence.contrib.celery import HEADER, Fence
 from celery_fence.contrib.celery.beat import FencedScheduler
 
 ENTRY = "plan-retention"
-#: A period of a day: every slot a test claims falls in the same one.
-PERIOD = timedelta(days=1)
+#: A period of a century, whose slot began in 1970: every slot a test claims is that one, and
+#: it began more than half a period ago, so that no scheduler sends it on starting or taking
+#: over (see the clocked tests); make_due makes it due.
+PERIOD = timedelta(days=36500)
 
 NewScheduler = Callable[[], FencedScheduler]
 
@@ -122,9 +124,8 @@ def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_b
     app: Celery, store: LeaseStore, scheduler: NewScheduler
 ) -> None:
     leader, standby = scheduler(), scheduler()
-    leader.tick()  # leads, and sends the current slot, which nobody sent yet
+    leader.tick()
     assert leader.lease is not None
-    [sent] = store.dispatches(leader.lease_name)
     passed = make_due(standby)
 
     assert standby.tick() == standby.renew_interval
@@ -133,16 +134,16 @@ def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_b
     entry = standby.schedule[ENTRY]
     assert entry.last_run_at > passed.last_run_at
     assert entry.total_run_count == passed.total_run_count + 1
-    assert store.dispatches(leader.lease_name) == [sent]
-    assert len(queued(app)) == 1
+    assert store.dispatches(leader.lease_name) == []
+    assert queued(app) == []
 
     # The leader goes; the standby takes over, with nothing due.
     leader.close()
     standby.tick()
     assert standby.lease is not None
     assert standby.lease.epoch == 2
-    assert store.dispatches(standby.lease_name) == [sent]
-    assert len(queued(app)) == 1
+    assert store.dispatches(standby.lease_name) == []
+    assert queued(app) == []
 
 
 def test_a_slot_is_claimed_and_sent_at_most_once_across_instances(
@@ -309,6 +310,34 @@ def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
     slots = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
     assert slots == ["10:00:00", "10:00:10", "10:00:20", "10:00:30", "10:00:40"]
     assert len(queued(clocked_app)) == 5
+
+
+def test_a_standby_that_takes_over_sends_the_slot_that_began_while_nobody_led(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """The leader stops a few seconds before a slot starts, and its lease runs out after: the
+    standby passed that slot's start unsent, and sends it when it takes over."""
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
+    }
+    with freeze_time("2030-01-01T10:00:03+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            for _ in range(52):  # until 10:00:55, when the leader stops ticking
+                leader.tick()
+                standby.tick()
+                frozen.tick(1)
+            assert leader.lease is not None
+            for _ in range(30):  # until 10:01:25: its lease runs out, the standby takes over
+                standby.tick()
+                frozen.tick(1)
+            assert standby.lease is not None
+        finally:
+            standby.close()
+    slots = sorted(d.slot.strftime("%H:%M") for d in fake_store.dispatches(leader.lease_name))
+    assert slots == ["10:00", "10:01"]
+    assert len(queued(clocked_app)) == 2
 
 
 def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(

@@ -55,14 +55,23 @@ def _slot_seconds(entry: ScheduleEntry) -> float:
     return 1.0
 
 
-def _on_the_grid(entry: ScheduleEntry, now: datetime, *, behind: bool = False) -> None:
-    """Count an interval entry's last run from the start of its slot at ``now`` (``behind``:
-    of the slot before), so that it comes due where its next slot starts (``behind``: at once),
-    on every instance alike. Counted from whenever an instance started, an entry whose period is
-    longer than beat instances live (restarted by deploys) would never come due."""
-    if isinstance(entry.schedule, schedules.schedule):
-        start = slot_of(entry, now)
-        entry.last_run_at = start - entry.schedule.run_every if behind else start
+def _on_the_grid(entry: ScheduleEntry, now: datetime, *, catch_up: bool = False) -> None:
+    """Count an interval entry's last run from the start of its slot at ``now``, so that it
+    comes due where its next slot starts, on every instance alike: counted from whenever an
+    instance started, an entry whose period is longer than beat instances live (restarted by
+    deploys) would never come due. ``catch_up``: due at once instead, for the slot at ``now``,
+    if that slot began less than half a period ago (later, its next one comes soon enough), and
+    never later than it already is."""
+    schedule = entry.schedule
+    if not isinstance(schedule, schedules.schedule):
+        return
+    start = slot_of(entry, now)
+    if not catch_up:
+        entry.last_run_at = start
+        return
+    period = schedule.run_every
+    target = start - period if now - start < period / 2 else start
+    entry.last_run_at = min(schedule.maybe_make_aware(entry.last_run_at), target)
 
 
 class FencedScheduler(Scheduler):  # type: ignore[misc]
@@ -105,13 +114,18 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         )
 
     def setup_schedule(self) -> None:
-        """The schedule, with each interval entry due at once for its current slot: sent then
-        unless an instance sent it already (its claim says), so that a slot whose start fell
-        while beat restarted is not lost."""
+        """The schedule, on the grid of its slots (see :meth:`_catch_up`)."""
         super().setup_schedule()
+        self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Make each interval entry due at once for its current slot if that slot began less
+        than half a period ago, else at its next slot: a leader that starts or takes over then
+        sends a slot whose start fell while no instance led, unless one sent it already (its
+        claim says)."""
         now = datetime.now(timezone.utc)
         for entry in self.schedule.values():
-            _on_the_grid(entry, now, behind=True)
+            _on_the_grid(entry, now, catch_up=True)
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
@@ -214,6 +228,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             )
             return
         self._take(got.lease)
+        self._catch_up()
         # Celery's heap still holds the entries as they were when this instance last led: on
         # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its heap
         # only when an entry's task, arguments, options or schedule change, never for a new
