@@ -41,7 +41,6 @@ _STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "miss
 # Where _cursor() keeps its cursor in a pooled connection's info.
 _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
-_SESSION_SETTINGS = "SET DateStyle = ISO; SET extra_float_digits = 3"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
 # The stale reason of a lease the check found no row for.
@@ -226,10 +225,7 @@ class _Connections:
         assert connection is not None  # a connection just checked out is open
         try:
             self._dialect.set_isolation_level(connection, "AUTOCOMMIT")
-            # What a role, a database or the environment (PGDATESTYLE, PGOPTIONS) may have set
-            # otherwise for the session: psycopg reads times only in the ISO date style, and a
-            # lease's remaining seconds, a float sent as text, must keep every digit.
-            connection.execute(_SESSION_SETTINGS)
+            _read_in_full(connection)
         except BaseException:
             connection.close()
             raise
@@ -316,6 +312,22 @@ class _Connections:
             return
         for cursor in idle:
             cursor.connection.close()
+
+
+def _read_in_full(connection: Any) -> None:
+    """Set what a role, a database or the environment (PGDATESTYLE, PGOPTIONS) may have set
+    otherwise for the session: psycopg reads times only in the ISO date style, and a lease's
+    remaining seconds, a float sent as text, must keep every digit. A session that needs
+    neither is left as it is (a setting changed for the session slows its later statements
+    measurably on the server)."""
+    settings = []
+    if not (connection.info.parameter_status("DateStyle") or "ISO").startswith("ISO"):
+        settings.append("SET DateStyle = ISO")
+    (digits,) = connection.execute("SHOW extra_float_digits").fetchone()
+    if int(digits) < 1:
+        settings.append("SET extra_float_digits = 3")
+    if settings:
+        connection.execute("; ".join(settings))
 
 
 def _quiet(connection: Any) -> bool:
