@@ -318,8 +318,7 @@ def _read_in_full(connection: Any) -> None:
     """Set what a role, a database or the environment (PGDATESTYLE, PGOPTIONS) may have set
     otherwise for the session: psycopg reads times only in the ISO date style, and a lease's
     remaining seconds, a float sent as text, must keep every digit. A session that needs
-    neither is left as it is (a setting changed for the session slows its later statements
-    measurably on the server)."""
+    neither is left as it is."""
     settings = []
     if not (connection.info.parameter_status("DateStyle") or "ISO").startswith("ISO"):
         settings.append("SET DateStyle = ISO")
