@@ -593,30 +593,25 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     v_now := coalesce(p_now, clock_timestamp());
-    -- A lease paused again keeps the time its pause began (see resume).
-    UPDATE celery_fence.leases AS l SET
-        paused = true, paused_reason = p_reason, paused_by = p_by,
-        paused_at = CASE WHEN l.paused THEN l.paused_at ELSE v_now END
-    WHERE l.name = p_name
-    RETURNING l.* INTO v_row;
-    IF v_row.name IS NULL THEN
+    IF NOT EXISTS (SELECT 1 FROM celery_fence.leases l WHERE l.name = p_name) THEN
         -- A lease paused before it was ever acquired: its stale runs are recorded under the
         -- environment given here, so there must be one.
         PERFORM celery_fence.check_length(
             p_environment, 'environment (to pause a lease that does not exist yet)', 64
         );
-        INSERT INTO celery_fence.leases AS l (
-            name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
-            expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
-        ) VALUES (
-            p_name, p_environment, '', '', 0, gen_random_uuid(), v_now, v_now,
-            v_now, v_now, v_now, true, p_reason, p_by, v_now
-        )
-        ON CONFLICT (name) DO UPDATE SET
-            paused = true, paused_reason = excluded.paused_reason, paused_by = excluded.paused_by,
-            paused_at = CASE WHEN l.paused THEN l.paused_at ELSE excluded.paused_at END
-        RETURNING l.* INTO v_row;
     END IF;
+    INSERT INTO celery_fence.leases AS l (
+        name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
+        expires_at, hold_until, released_at, paused, paused_reason, paused_by, paused_at
+    ) VALUES (
+        p_name, coalesce(p_environment, ''), '', '', 0, gen_random_uuid(), v_now, v_now,
+        v_now, v_now, v_now, true, p_reason, p_by, v_now
+    )
+    -- A lease paused again keeps the time its pause began (see resume).
+    ON CONFLICT (name) DO UPDATE SET
+        paused = true, paused_reason = excluded.paused_reason, paused_by = excluded.paused_by,
+        paused_at = CASE WHEN l.paused THEN l.paused_at ELSE excluded.paused_at END
+    RETURNING l.* INTO v_row;
     RETURN celery_fence.answer_of('paused', 'paused', v_row, false, v_now);
 END
 $$;
