@@ -24,8 +24,8 @@ def next_attempt(lease: Lease, interval: float) -> float:
     """Seconds until the next renewal of ``lease``: ``interval``, or sooner when the lease has
     less than two intervals of trust left, so that the attempt comes while it is still trusted
     with time to spare. A lease this holder renews itself has most of its TTL left, and
-    ``interval`` applies; one it only shares (a beat's, joined by the tasks it dispatches) may
-    have less left than the holder's interval."""
+    ``interval`` applies; one near its maximum hold, or a lease taken for less than the TTL
+    renewals extend it by, may have less left than that."""
     return max(MIN_WAIT, min(interval, lease.remaining() / 2))
 
 

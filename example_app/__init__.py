@@ -1,7 +1,8 @@
 """A small document service built on celery-fence: the repository's runnable example.
 
 Two jobs use the product. Retention planning runs from beat on several instances at once
-(``celery beat -S fence``) and writes each plan under the scheduler's epoch; it never deletes.
+(``celery beat -S fence``): a run starts only while the scheduler epoch that sent it is current,
+and writes its plan under a lease of its own; it never deletes.
 Releases run on workers, one lease per environment: a release validates, "migrates" and
 publishes the environment's manifest in a fenced transaction, so a stale or older release can
 never overwrite a newer one.

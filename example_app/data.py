@@ -52,7 +52,8 @@ class ReleaseRecord:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """One retention plan: the documents due, planned under ``lease_name`` at ``epoch``."""
+    """One retention plan: the documents due, planned under ``lease_name`` at ``epoch``; for
+    a run a fenced beat sent, the scheduler lease and epoch that sent it."""
 
     id: int
     lease_name: str
@@ -61,6 +62,8 @@ class Plan:
     task_id: str
     planned_at: datetime
     document_ids: list[int]
+    scheduled_by: str | None
+    schedule_epoch: int | None
 
 
 def create_tables(engine: Engine) -> None:
@@ -98,16 +101,32 @@ def document_count(conn: Connection) -> int:
     return int(conn.execute(sa.text("SELECT count(*) FROM example_app.documents")).scalar_one())
 
 
-def write_plan(conn: Executor, *, lease_name: str, epoch: int, holder: str, task_id: str) -> Plan:
+def write_plan(
+    conn: Executor,
+    *,
+    lease_name: str,
+    epoch: int,
+    holder: str,
+    task_id: str,
+    scheduled_by: str | None = None,
+    schedule_epoch: int | None = None,
+) -> Plan:
     """Plan the removal of every document past its retention date (nothing is deleted).
     A task id that already planned gets its earlier plan back."""
-    params = {"lease_name": lease_name, "epoch": epoch, "holder": holder, "task_id": task_id}
+    params = {
+        "lease_name": lease_name,
+        "epoch": epoch,
+        "holder": holder,
+        "task_id": task_id,
+        "scheduled_by": scheduled_by,
+        "schedule_epoch": schedule_epoch,
+    }
     row = conn.execute(
         sa.text(
             """
             INSERT INTO example_app.retention_plans
-                (lease_name, epoch, holder, task_id, document_ids)
-            SELECT :lease_name, :epoch, :holder, :task_id,
+                (lease_name, epoch, holder, task_id, scheduled_by, schedule_epoch, document_ids)
+            SELECT :lease_name, :epoch, :holder, :task_id, :scheduled_by, :schedule_epoch,
                    coalesce(array_agg(d.id ORDER BY d.id), '{}')
             FROM example_app.documents d
             WHERE d.retention_until <= clock_timestamp()

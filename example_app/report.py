@@ -69,8 +69,9 @@ def render(snapshot: Snapshot) -> list[str]:
     lines = ["Who won each epoch"]
     for name, entries in snapshot.history.items():
         lines.append(f"  {name} (environment {entries[0].environment if entries else '?'})")
+        width = max((len(h.holder) for h in entries), default=0)
         lines += [
-            f"    epoch {h.epoch:<3} {h.holder:<58} from {clock(h.acquired_at)} "
+            f"    epoch {h.epoch:<3} {h.holder:<{width}} from {clock(h.acquired_at)} "
             f"to {clock(h.ended_at)} {h.end_reason or 'holding'}"
             + (f"  [{h.purpose}]" if h.purpose else "")
             for h in entries
@@ -111,10 +112,11 @@ def render(snapshot: Snapshot) -> list[str]:
         for (schedule, epoch, holder), slots in _by_epoch(snapshot.dispatches).items()
     ] or ["  (none)"]
     lines.append("Retention plans")
-    plans = Counter((p.lease_name, p.epoch) for p in snapshot.plans)
+    plans = Counter((p.scheduled_by, p.schedule_epoch) for p in snapshot.plans)
     lines += [
-        f"  {lease} epoch {epoch}: {counted(count, 'plan')}"
-        for (lease, epoch), count in plans.items()
+        f"  {f'sent by {schedule} epoch {epoch}' if schedule else 'sent by hand'}: "
+        f"{counted(count, 'plan')}"
+        for (schedule, epoch), count in plans.items()
     ]
     due = snapshot.plans[-1].document_ids if snapshot.plans else []
     lines.append(
@@ -173,20 +175,19 @@ def slots_dispatched_once(snapshot: Snapshot) -> Check:
 
 
 def one_plan_per_slot(snapshot: Snapshot) -> Check:
-    """Per epoch, no more plans from beat than slots dispatched, each written under the
-    epoch's holder."""
+    """Per scheduler epoch, no more plans from beat than slots it dispatched; each plan written
+    by the holder of the planner lease's epoch it names."""
     slots = Counter((d.schedule, d.epoch) for d in snapshot.dispatches)
-    scheduled = [
-        p for p in snapshot.plans if p.lease_name in {d.schedule for d in snapshot.dispatches}
-    ]
-    plans = Counter((p.lease_name, p.epoch) for p in scheduled)
+    scheduled = [p for p in snapshot.plans if p.scheduled_by is not None]
+    plans = Counter((p.scheduled_by, p.schedule_epoch) for p in scheduled)
     problems = [
-        f"{counted(count, 'plan')} for {counted(slots[key], 'slot')} under {key[0]} epoch {key[1]}"
+        f"{counted(count, 'plan')} for {counted(slots[key], 'slot')} sent by {key[0]} "
+        f"epoch {key[1]}"
         for key, count in plans.items()
         if count > slots[key]
     ]
     problems += [
-        f"plan {p.id} written by {p.holder}, not by epoch {p.epoch}'s holder"
+        f"plan {p.id} written by {p.holder}, not by {p.lease_name} epoch {p.epoch}'s holder"
         for p in scheduled
         if (won := snapshot.epoch(p.lease_name, p.epoch)) is None or won.holder != p.holder
     ]

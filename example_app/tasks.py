@@ -79,11 +79,12 @@ def run_id(task: Any) -> str:
 def plan_retention(self: Any) -> dict[str, Any]:
     """Plan the removal of the documents past their retention date; delete nothing.
 
-    Sent by a fenced beat, the run joins the scheduler's lease at the epoch in its headers;
-    run by hand, it takes the ``retention:planner`` lease itself. Either way the plan commits
-    only while that epoch holds, and records it.
+    Each run takes the ``retention:planner`` lease, so that two runs never plan at once; one
+    sent by a fenced beat starts only if the scheduler epoch in its headers is still current,
+    and its plan records that epoch. The plan commits only while the run's own epoch holds.
     """
     lease = held_lease()
+    scheduled = fence.current().dispatched_by
     with fence.guard("write retention plan") as conn:
         plan = data.write_plan(
             conn,
@@ -91,6 +92,8 @@ def plan_retention(self: Any) -> dict[str, Any]:
             epoch=lease.epoch,
             holder=lease.holder,
             task_id=run_id(self),
+            scheduled_by=None if scheduled is None else scheduled.name,
+            schedule_epoch=None if scheduled is None else scheduled.epoch,
         )
     logger.info(
         "plan %d: %d documents due, planned under %s epoch %d",

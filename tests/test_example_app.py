@@ -231,6 +231,7 @@ def test_plan_retention_writes_a_plan_under_its_lease_and_deletes_nothing(
     (plan,) = data.plans(store.engine)
     (won,) = store.history("retention:planner")
     assert (plan.lease_name, plan.epoch, plan.holder) == (won.name, won.epoch, won.holder)
+    assert (plan.scheduled_by, plan.schedule_epoch) == (None, None)
     assert plan.document_ids == due_ids(store.engine) == result["document_ids"]
     assert len(plan.document_ids) == data.SEED_DOCUMENTS // 2 + 1
     with store.engine.connect() as conn:
@@ -244,7 +245,7 @@ def scheduler_epoch(store: LeaseStore, holder: str) -> tuple[Lease, dict[str, An
     return lease, {HEADER: FenceHeader.for_lease(lease, "join").to_message()}
 
 
-def test_plan_retention_from_beat_joins_the_scheduler_epoch(
+def test_plan_retention_from_beat_records_the_scheduler_epoch_under_its_own_lease(
     store: LeaseStore, worker: None
 ) -> None:
     _, header = scheduler_epoch(store, "beat@a")
@@ -252,8 +253,9 @@ def test_plan_retention_from_beat_joins_the_scheduler_epoch(
     plan_retention.apply_async(headers=header).get(timeout=TIMEOUT)
 
     (plan,) = data.plans(store.engine)
-    assert (plan.lease_name, plan.epoch, plan.holder) == ("scheduler:example_app", 1, "beat@a")
-    assert store.history("retention:planner") == []
+    (won,) = store.history("retention:planner")
+    assert (plan.lease_name, plan.epoch, plan.holder) == (won.name, won.epoch, won.holder)
+    assert (plan.scheduled_by, plan.schedule_epoch) == ("scheduler:example_app", 1)
 
 
 def test_plan_retention_under_a_superseded_scheduler_epoch_is_rejected(
@@ -410,6 +412,7 @@ def test_status_of_an_empty_database_says_none_under_every_heading(example: Fenc
 # -- the report's invariant checks -----------------------------------------------------------
 
 SCHEDULE = "scheduler:example_app"
+PLANNER = "retention:planner"
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
@@ -444,16 +447,24 @@ def dispatched(epoch: int, holder: str, second: float) -> Dispatch:
     )
 
 
-def planned(epoch: int, holder: str, number: int) -> data.Plan:
+def planned(schedule_epoch: int, number: int) -> data.Plan:
+    """The plan of the ``number``-th run, sent by the scheduler at ``schedule_epoch``; the run
+    held the planner lease at epoch ``number``."""
     return data.Plan(
         id=number,
-        lease_name=SCHEDULE,
-        epoch=epoch,
-        holder=holder,
+        lease_name=PLANNER,
+        epoch=number,
+        holder=f"plan[t{number}]",
         task_id=f"t{number}",
         planned_at=at(number),
         document_ids=[1],
+        scheduled_by=SCHEDULE,
+        schedule_epoch=schedule_epoch,
     )
+
+
+def planner_history(runs: int) -> list[HistoryEntry]:
+    return [won(n, f"plan[t{n}]", n, n + 0.5, name=PLANNER) for n in range(1, runs + 1)]
 
 
 def released(environment: str, build: int, epoch: int, outcome: str) -> data.ReleaseRecord:
@@ -477,12 +488,15 @@ def beat_snapshot() -> report.Snapshot:
     """Epoch 1 (beat a) expired at 10 s; epoch 2 (beat b) holds; one plan per slot."""
     return report.Snapshot(
         leases=[],
-        history={SCHEDULE: [won(1, "a", 0, 10), won(2, "b", 10, None)]},
+        history={
+            SCHEDULE: [won(1, "a", 0, 10), won(2, "b", 10, None)],
+            PLANNER: planner_history(4),
+        },
         dispatches=[dispatched(1, "a", 2), dispatched(1, "a", 4), dispatched(2, "b", 12)],
         stale_runs=[],
         manifests=[],
         releases=[],
-        plans=[planned(1, "a", 1), planned(1, "a", 2), planned(2, "b", 3)],
+        plans=[planned(1, 1), planned(1, 2), planned(2, 3)],
         documents=12,
     )
 
@@ -514,11 +528,22 @@ def test_slot_check_catches_a_bad_dispatch(
 
 
 def test_plan_check_catches_a_slot_planned_twice(beat_snapshot: report.Snapshot) -> None:
-    twice = replace(beat_snapshot, plans=[*beat_snapshot.plans, planned(2, "b", 4)])
+    twice = replace(beat_snapshot, plans=[*beat_snapshot.plans, planned(2, 4)])
     check = report.one_plan_per_slot(twice)
     assert not check.ok
-    assert "2 plans for 1 slot under scheduler:example_app epoch 2" in check.text
+    assert "2 plans for 1 slot sent by scheduler:example_app epoch 2" in check.text
     assert not report.one_plan_per_slot(replace(beat_snapshot, plans=[])).ok
+
+
+def test_plan_check_catches_a_plan_not_written_by_its_epochs_holder(
+    beat_snapshot: report.Snapshot,
+) -> None:
+    intruder = replace(planned(2, 3), holder="plan[t9]")
+    check = report.one_plan_per_slot(
+        replace(beat_snapshot, plans=[*beat_snapshot.plans[:2], intruder])
+    )
+    assert not check.ok
+    assert "plan 3 written by plan[t9], not by retention:planner epoch 3's holder" in check.text
 
 
 def test_failover_check_needs_another_holder(beat_snapshot: report.Snapshot) -> None:

@@ -22,7 +22,7 @@ from celery import Celery, chain, chord, group, states
 from celery.result import AsyncResult
 
 from celery_fence import Lease, LeaseStore
-from celery_fence.contrib.celery import HEADER, REJECTED, Fence, FenceHeader
+from celery_fence.contrib.celery import HEADER, REJECTED, SKIPPED, Fence, FenceHeader
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -480,7 +480,7 @@ def test_malformed_header_is_rejected_and_recorded(
 
 
 @pytest.mark.parametrize("lease_ends", ["released", "expired"])
-def test_join_header_runs_while_held_and_is_rejected_after(
+def test_join_header_runs_on_its_own_lease_while_held_and_is_rejected_after(
     fence: Fence,
     worker: StartWorker,
     store: LeaseStore,
@@ -494,13 +494,15 @@ def test_join_header_runs_while_held_and_is_rejected_after(
     def tick() -> None:
         run = fence.current()
         assert run.lease is not None
-        runs.append([run.mode, run.lease.name, run.epoch, run.lease.holder])
+        assert run.dispatched_by is not None
+        runs.append([run.mode, run.lease.name, run.dispatched_by.name, run.dispatched_by.epoch])
 
     beat = take(store, "beat:default", holder="beat@test")
     header = FenceHeader.for_lease(beat, "join").to_message()
     with worker():
         assert wait.finished(run_with_header(tick, header)) == states.SUCCESS
-        # Joining shares the lease: it stays the scheduler's, neither released nor extended.
+        # The check shares nothing: the lease stays the scheduler's, neither released nor
+        # extended.
         owner = store.owner("beat:default")
         assert owner is not None
         assert (owner.holder, owner.state) == ("beat@test", "held")
@@ -512,11 +514,41 @@ def test_join_header_runs_while_held_and_is_rejected_after(
         late = run_with_header(tick, header)
         assert wait.finished(late) == REJECTED
 
-    assert runs == [["join", "beat:default", 1, "beat@test"]]
+    assert runs == [["owner", "tick", "beat:default", 1]]
     assert late.info["reason"] == lease_ends
     [stale] = store.stale_runs(lease_name="beat:default")
     assert (stale.reason, stale.stale_epoch, stale.stale_holder) == (lease_ends, 1, "beat@test")
-    assert store.history("tick") == []
+    # Only the first run took the task's lease.
+    assert [entry.epoch for entry in store.history("tick")] == [1]
+
+
+@pytest.mark.parametrize("taken", ["held", "paused"])
+def test_a_beat_dispatch_whose_own_lease_is_taken_gets_its_busy_policy(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, taken: str
+) -> None:
+    """Two slots' runs of one entry do not overlap, and pausing the task's own lease stops the
+    runs the beat sends: the dispatch is checked, then the task's lease is refused."""
+    ran: list[int] = []
+
+    @fence.task(lease="tick", on_busy="skip")
+    def tick() -> None:
+        ran.append(1)
+
+    beat = take(store, "beat:default", holder="beat@test")
+    earlier = take(store, "tick", holder="tick[earlier-slot]@test")
+    if taken == "paused":
+        store.pause("tick", reason="incident 42", by="ops@test")
+    with worker():
+        result = run_with_header(tick, FenceHeader.for_lease(beat, "join").to_message())
+        assert wait.finished(result) == SKIPPED
+
+    assert ran == []
+    assert (result.info["lease"], result.info["reason"], result.info["owner_epoch"]) == (
+        "tick",
+        taken,
+        earlier.epoch,
+    )
+    assert store.stale_runs() == []
 
 
 def test_shadow_mode_runs_a_stale_header_and_records_it(

@@ -250,7 +250,7 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
     assert publish.ran.is_set()
 
 
-def test_a_run_dispatched_by_beat_passes_no_header_on(
+def test_a_run_dispatched_by_beat_passes_its_own_lease_on_not_the_beats(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
     seen: list[list[Any]] = []
@@ -263,19 +263,24 @@ def test_a_run_dispatched_by_beat_passes_no_header_on(
     def notify(self: Any, label: str) -> None:
         run = fence.current()
         assert run.lease is not None
-        seen.append([label, received_header(self.request), run.mode, run.lease.name, run.epoch])
+        received = received_header(self.request)
+        assert isinstance(received, dict)
+        seen.append(
+            [label, received["lease"], received["mode"], run.mode, run.lease.name, run.epoch]
+        )
 
     beat = take(store, "scheduler:test", holder="beat@test")
     header = FenceHeader.for_lease(beat, "join").to_message()
     with worker():
-        # A child published in the body, and a link the worker publishes after it.
+        # A child published in the body, and a link the worker publishes after it: both carry
+        # the run's own lease, and take leases of their own (theirs is another).
         result = tick.apply_async(headers={HEADER: header}, link=notify.si("link"))
         assert wait.finished(result) == states.SUCCESS
         wait.until(lambda: len(seen) == 2, what="the child and the link")
 
     assert sorted(seen) == [
-        ["body", None, "owner", "notify:body", 1],
-        ["link", None, "owner", "notify:link", 1],
+        ["body", "tick", "resume", "owner", "notify:body", 1],
+        ["link", "tick", "resume", "owner", "notify:link", 1],
     ]
     owner = store.owner("scheduler:test")
     assert owner is not None
@@ -283,11 +288,11 @@ def test_a_run_dispatched_by_beat_passes_no_header_on(
     assert store.stale_runs() == []
 
 
-def test_a_retry_of_a_run_dispatched_by_beat_takes_a_lease_of_its_own(
+def test_a_retry_of_a_run_dispatched_by_beat_continues_its_lease_not_the_beats(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
-    """Celery copies the request's headers into a retry, the beat's among them; the retry runs
-    on its own lease, even after another beat instance took over meanwhile."""
+    """Celery copies the request's headers into a retry; the run replaces the beat's header
+    with its own lease's, so that the retry runs even after another beat instance took over."""
     seen: list[list[Any]] = []
     beat = take(store, "scheduler:test", holder="beat@test")
 
@@ -295,7 +300,9 @@ def test_a_retry_of_a_run_dispatched_by_beat_takes_a_lease_of_its_own(
     def tick(self: Any) -> str:
         run = fence.current()
         assert run.lease is not None
-        seen.append([self.request.retries, received_header(self.request), run.mode, run.epoch])
+        received = received_header(self.request)
+        assert isinstance(received, dict)
+        seen.append([self.request.retries, received["lease"], run.mode, run.epoch])
         if self.request.retries == 0:
             store.release(beat)
             take(store, "scheduler:test", holder="beat-2@test")
@@ -308,9 +315,9 @@ def test_a_retry_of_a_run_dispatched_by_beat_takes_a_lease_of_its_own(
         assert wait.finished(result) == states.SUCCESS
 
     assert result.result == "tick"
-    assert seen == [[0, header, "join", 1], [1, None, "owner", 1]]
-    [entry] = store.history("tick")
-    assert entry.end_reason == "released"
+    # The first run released its lease when it ended; the retry took it over at the next epoch.
+    assert seen == [[0, "scheduler:test", "owner", 1], [1, "tick", "resume", 2]]
+    assert [entry.end_reason for entry in store.history("tick")] == ["released", "released"]
     assert store.stale_runs() == []
 
 

@@ -29,11 +29,11 @@ RELEASE_TTL = 2.0
 
 SCHEMA = """
 CREATE TABLE ticks (
-    task_id    text        NOT NULL,
-    epoch      bigint      NOT NULL,
-    holder     text        NOT NULL,
-    mode       text        NOT NULL,
-    worker_pid integer     NOT NULL,
+    task_id     text        NOT NULL,
+    epoch       bigint      NOT NULL,
+    holder      text        NOT NULL,
+    lease_epoch bigint      NOT NULL,
+    worker_pid  integer     NOT NULL,
     ran_at     timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE TABLE sends (
@@ -91,25 +91,27 @@ fence = Fence(app)
 
 @fence.task(name=TICK, lease="e2e-tick", bind=True)
 def tick(self: Any) -> int:
-    """A scheduled run: record the lease it runs under, in a fenced write."""
+    """A scheduled run: record the scheduler epoch that sent it and the epoch of its own
+    lease, in a fenced write."""
     run = fence.current()
-    lease = run.lease
+    lease, scheduler = run.lease, run.dispatched_by
     assert lease is not None
+    assert scheduler is not None
     with fence.guard("record tick") as conn:
         conn.execute(
             sa.text(
-                "INSERT INTO ticks (task_id, epoch, holder, mode, worker_pid) "
-                "VALUES (:task_id, :epoch, :holder, :mode, :pid)"
+                "INSERT INTO ticks (task_id, epoch, holder, lease_epoch, worker_pid) "
+                "VALUES (:task_id, :epoch, :holder, :lease_epoch, :pid)"
             ),
             {
                 "task_id": self.request.id,
-                "epoch": lease.epoch,
-                "holder": lease.holder,
-                "mode": run.mode,
+                "epoch": scheduler.epoch,
+                "holder": scheduler.holder,
+                "lease_epoch": lease.epoch,
                 "pid": os.getpid(),
             },
         )
-    return lease.epoch
+    return scheduler.epoch
 
 
 @fence.task(

@@ -5,9 +5,9 @@
 One leader lease per schedule (``fence_beat_lease``, default ``scheduler:<app name>``). Only the
 holder dispatches; it renews on its tick and trusts the lease only until its monotonic
 deadline. On loss it steps down to standby (no crash, no restart loop) and a standby takes over
-within about one TTL. Every dispatched task carries the scheduler's epoch in its headers, and
-each schedule slot is claimed in a fenced transaction, so a slot is dispatched at most once even
-if two instances believe they lead.
+within about one TTL. Every dispatched task carries the scheduler's epoch in its headers (a
+fenced task starts only while it is current), and each schedule slot is claimed in a fenced
+transaction, so a slot is dispatched at most once even if two instances believe they lead.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease
+from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
@@ -41,7 +41,7 @@ from .settings import FenceSettings, check_timing
 SKIPPED = "SKIPPED"
 REJECTED = "REJECTED"
 
-RunMode = Literal["owner", "resume", "join"]
+RunMode = Literal["owner", "resume"]
 _current: ContextVar[FencedRun | None] = ContextVar("celery_fence_run", default=None)
 _fences: weakref.WeakKeyDictionary[Celery, Fence] = weakref.WeakKeyDictionary()
 #: A message header on the retry of a delivery that found an earlier delivery of the same message
@@ -56,12 +56,12 @@ BUSY_RETRIES = "celery_fence_busy_retries"
 class FencedRun:
     """One execution of a fenced task: the lease it runs under and how it came by it.
 
-    ``mode`` is ``owner`` (this run acquired the lease), ``resume`` (a retry or child of a
+    ``mode`` is ``owner`` (this run acquired the lease) or ``resume`` (a retry or child of a
     fenced run on the same lease, sharing its publisher's epoch or taking the lease over at the
-    next one) or ``join`` (a task dispatched by a fenced beat, under
-    the scheduler's epoch). ``lease`` is ``None`` when the run goes ahead without a lease: in
-    an environment whose enforcement is ``off``, or in shadow mode when it would have been
-    refused; its guards then let the writes through.
+    next one). ``lease`` is ``None`` when the run goes ahead without a lease: in an environment
+    whose enforcement is ``off``, or in shadow mode when it would have been refused; its guards
+    then let the writes through. ``dispatched_by`` is, for a run a fenced beat dispatched, the
+    scheduler's lease at the epoch that sent it, as checked current when the run started.
     """
 
     def __init__(
@@ -74,6 +74,7 @@ class FencedRun:
         keeper: LeaseKeeper | None = None,
         release_at_end: bool = False,
         min_hold: float = 0.0,
+        dispatched_by: Owner | None = None,
     ) -> None:
         self.store = store
         self.mode = mode
@@ -81,6 +82,7 @@ class FencedRun:
         self.keeper = keeper
         self.release_at_end = release_at_end
         self.min_hold = min_hold
+        self.dispatched_by = dispatched_by
         self.started = time.monotonic()
         self._lease = lease
 
@@ -140,10 +142,9 @@ class FencedRun:
             yield
 
     def header(self) -> FenceHeader | None:
-        """The header tasks published from this run carry: none from a run without a lease or
-        one dispatched by beat (its children take leases of their own)."""
+        """The header tasks published from this run carry: none from a run without a lease."""
         lease = self.lease
-        if lease is None or self.mode == "join":
+        if lease is None:
             return None
         return FenceHeader.for_lease(lease, "resume")
 
@@ -168,7 +169,7 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
         header = run.header()
         if header is None:
             # A retry's message copies the request's headers: a run that publishes no header
-            # (one dispatched by beat) must not pass on the one it was sent with.
+            # (one without a lease) must not pass on the one it was sent with.
             headers.pop(HEADER, None)
             return
         value = header.to_message()
@@ -407,7 +408,12 @@ class Fence:
             log.warning("could not release lease %s (it will expire): %s", lease.name, exc)
 
     def _acquire(
-        self, task: FencedTask, arguments: Mapping[str, Any], environment: str, enforced: bool
+        self,
+        task: FencedTask,
+        arguments: Mapping[str, Any],
+        environment: str,
+        enforced: bool,
+        dispatched_by: Owner | None = None,
     ) -> FencedRun:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
@@ -457,6 +463,7 @@ class Fence:
             keeper=keeper,
             release_at_end=True,
             min_hold=task.fence_min_hold,
+            dispatched_by=dispatched_by,
         )
 
     def _done_before(
@@ -506,13 +513,13 @@ class Fence:
         environment: str,
         enforced: bool,
     ) -> FencedRun | None:
-        """Run under the header's epoch: a beat dispatch (``join``), or a retry or child of a
-        run on this task's own lease (``resume``). ``None`` for a header about another lease,
+        """Run under the header's epoch (a retry or child of a run on this task's own lease,
+        ``resume``), or, for a beat dispatch (``join``), check that the scheduler's epoch is still
+        current and then take the task's own lease. ``None`` for a header about another lease,
         which the task does not continue: it takes its own lease instead."""
-        settings = self.settings
         action = f"start {task.name}"
-        ttl = task.lease_ttl(settings)
-        interval = task.renew_interval(settings, ttl)
+        ttl = task.lease_ttl(self.settings)
+        interval = task.renew_interval(self.settings, ttl)
         try:
             header = FenceHeader.from_message(value)
             if header.mode == "resume":
@@ -560,45 +567,28 @@ class Fence:
                 if enforced
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
+        if header.mode == "join":
+            # The dispatch was the current leader's: the run is the task's own from here on, on
+            # its lease, so that a change of leader does not reach it and two runs of one entry
+            # do not overlap.
+            return self._acquire(task, arguments, environment, enforced, dispatched_by=got.owner)
         if got.lease is None:
             # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
             # earlier delivery of its message took over and holds.
             return self._refused(task, header.lease, got, enforced, "resume")
-        if header.mode == "join":
-            keeper_store = self.keeper_store
-
-            def refresh(lease: Lease) -> Lease:
-                rejoined = keeper_store.rejoin(
-                    lease.name,
-                    epoch=lease.epoch,
-                    holder=lease.holder,
-                    mode="join",
-                    proof=header.proof,
-                    ttl=ttl,
-                    action=f"check {task.name}",
-                    enforce=enforced,
-                    environment=environment,
-                )
-                assert rejoined.lease is not None
-                return rejoined.lease
-
-        else:
-            refresh = self.keeper_store.renew
         # A continuation that joined a held lease is one more sharer: releasing it only leaves;
         # the lease is released when its last sharer releases it.
-        release_at_end = header.mode == "resume"
         try:
-            keeper = LeaseKeeper(got.lease, refresh, interval=interval).start()
+            keeper = LeaseKeeper(got.lease, self.keeper_store.renew, interval=interval).start()
         except BaseException:
-            if release_at_end:
-                self._release(got.lease)
+            self._release(got.lease)
             raise
         return FencedRun(
             store=self.store,
-            mode=header.mode,
+            mode="resume",
             enforced=enforced,
             keeper=keeper,
-            release_at_end=release_at_end,
+            release_at_end=True,
         )
 
 
