@@ -228,7 +228,8 @@ def test_an_impossible_renew_interval_fails_the_run_before_it_takes_the_lease(
     result = publish.apply()
     assert result.state == states.FAILURE
     assert isinstance(result.result, ConfigurationError)
-    assert "renew interval 59s" in str(result.result)
+    assert f"{publish.name} renew_interval 59s must be shorter than the 54s" in str(result.result)
+    assert f"a 60s lease ({publish.name} ttl less the 10% safety margin)" in str(result.result)
     assert store.leases() == []
 
 

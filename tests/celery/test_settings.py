@@ -46,18 +46,26 @@ def test_defaults_and_enforcement_per_environment() -> None:
     [
         pytest.param(
             {"fence_default_ttl": 10, "fence_renew_interval": 9},
-            r"fence_default_ttl: renew interval 9s must be shorter than the 9s",
+            r"^fence_renew_interval 9s must be shorter than the 9s the holder trusts a 10s lease "
+            r"\(fence_default_ttl less the 10% safety margin\)$",
             id="renew interval not below ttl less margin",
         ),
         pytest.param(
             {"fence_default_ttl": 10, "fence_safety_margin": 0.5, "fence_renew_interval": 6},
-            r"renew interval 6s must be shorter than the 5s the holder trusts a 10s lease",
+            r"fence_renew_interval 6s must be shorter than the 5s the holder trusts a 10s lease",
             id="renew interval past the safety margin",
         ),
         pytest.param(
             {"fence_beat_ttl": 15, "fence_beat_renew_interval": 15},
-            r"fence_beat_ttl: renew interval 15s",
+            r"^fence_beat_renew_interval 15s must be shorter",
             id="beat renew interval",
+        ),
+        pytest.param(
+            {"fence_default_ttl": 30, "fence_safety_margin": 0.9},
+            r"^the default renew interval \(a third of fence_default_ttl\) 10s must be shorter "
+            r"than the 3s the holder trusts a 30s lease \(fence_default_ttl less the 90% safety "
+            r"margin\)$",
+            id="default renew interval past the safety margin",
         ),
         pytest.param(
             {"fence_renew_interval": 0},
@@ -76,8 +84,8 @@ def test_defaults_and_enforcement_per_environment() -> None:
         ),
         pytest.param(
             {"fence_beat_renew_interval": 20},
-            r"^fence_beat_ttl: renew interval 20s must be shorter than the 13.5s the holder "
-            r"trusts a 15s lease \(ttl less the 10% safety margin\)$",
+            r"^fence_beat_renew_interval 20s must be shorter than the 13.5s the holder "
+            r"trusts a 15s lease \(fence_beat_ttl less the 10% safety margin\)$",
             id="beat renew interval above the beat ttl",
         ),
         pytest.param(
@@ -155,7 +163,8 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
         pytest.param(
             {},
             {"ttl": 6, "renew_interval": 6},
-            r"renew interval 6s must be shorter than the 5.4s",
+            r" renew_interval 6s must be shorter than the 5.4s the holder trusts a 6s lease "
+            r"\(test_settings.publish ttl less",
             id="task renew interval",
         ),
         pytest.param(
@@ -231,7 +240,7 @@ def test_embedded_worker_refuses_to_start_with_impossible_timings(
     def publish(environment: str) -> None:
         """Never runs: the worker does not start."""
 
-    refused = pytest.raises(ConfigurationError, match=r"renew interval 9.5s must be shorter")
+    refused = pytest.raises(ConfigurationError, match=r"fence_renew_interval 9.5s must be shorter")
     with refused, worker():
         pytest.fail("the worker started")
 

@@ -715,11 +715,18 @@ class FencedTask(Task):  # type: ignore[misc]
         return max(self.lease_ttl(settings), self.fence_min_hold)
 
     def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
+        """The task's renew interval, checked against ``ttl``; errors name where each came from:
+        the task's option or the app's setting."""
         return check_timing(
             ttl,
             self.fence_renew_interval or settings.renew_interval,
             settings.safety_margin,
-            self.name,
+            ttl_name=f"{self.name} ttl" if self.fence_ttl else "fence_default_ttl",
+            interval_name=(
+                f"{self.name} renew_interval"
+                if self.fence_renew_interval
+                else "fence_renew_interval"
+            ),
         )
 
     def check_timing(self, settings: FenceSettings, time_limit: float | None = None) -> None:

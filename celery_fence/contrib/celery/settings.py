@@ -40,25 +40,25 @@ def check_timing(
     ttl: float,
     renew_interval: float | None,
     safety_margin: float,
-    what: str,
-    interval_what: str | None = None,
+    *,
+    ttl_name: str,
+    interval_name: str,
 ) -> float:
     """The renew interval (default a third of the TTL) must leave time to renew before the
-    holder's own deadline (the TTL less the safety margin); return it. ``what`` names the TTL
-    in errors; ``interval_what`` names a given renew interval in errors about its own value
-    (default ``what``'s renew interval)."""
+    holder's own deadline (the TTL less the safety margin); return it. Errors name the TTL
+    ``ttl_name`` and a given interval ``interval_name``, the settings they come from."""
     if renew_interval is None:
-        interval, named = ttl / 3, f"{what} renew interval"
+        interval, named = ttl / 3, f"the default renew interval (a third of {ttl_name})"
     else:
-        interval, named = renew_interval, interval_what or f"{what} renew interval"
+        interval, named = renew_interval, interval_name
     # Any interval up to the longest TTL is checked against the trust below, which is the bound
     # that matters: one message, naming it, rather than "at most the TTL" and then this one.
     interval = validation.check_seconds(interval, named, maximum=validation.MAX_TTL_SECONDS)
     trusted = ttl * (1 - safety_margin)
     if interval >= trusted:
         raise ConfigurationError(
-            f"{what}: renew interval {interval:g}s must be shorter than the {trusted:g}s the "
-            f"holder trusts a {ttl:g}s lease (ttl less the {safety_margin:.0%} safety margin)"
+            f"{named} {interval:g}s must be shorter than the {trusted:g}s the holder trusts a "
+            f"{ttl:g}s lease ({ttl_name} less the {safety_margin:.0%} safety margin)"
         )
     return interval
 
@@ -127,7 +127,11 @@ class FenceSettings:
             )
         renew_interval = get("fence_renew_interval")
         check_timing(
-            default_ttl, renew_interval, safety_margin, "fence_default_ttl", "fence_renew_interval"
+            default_ttl,
+            renew_interval,
+            safety_margin,
+            ttl_name="fence_default_ttl",
+            interval_name="fence_renew_interval",
         )
         beat_ttl = validation.check_seconds(
             get("fence_beat_ttl"), "fence_beat_ttl", maximum=max_ttl
@@ -136,8 +140,8 @@ class FenceSettings:
             beat_ttl,
             get("fence_beat_renew_interval"),
             safety_margin,
-            "fence_beat_ttl",
-            "fence_beat_renew_interval",
+            ttl_name="fence_beat_ttl",
+            interval_name="fence_beat_renew_interval",
         )
         beat_max_hold = validation.check_max_hold(
             get("fence_beat_max_hold"),
