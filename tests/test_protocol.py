@@ -1051,7 +1051,7 @@ def test_a_waiting_acquisition_takes_the_lease_as_its_holder_releases(
         woke_after = time.monotonic() - released
     assert got.lease is not None
     assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
-    assert woke_after < 10
+    assert woke_after < 30  # far below the 120 s recheck interval, also on a loaded machine
     # The listening connection was the wait's own, and is closed.
     assert listeners(engine, 0) == 0
 
@@ -1116,7 +1116,7 @@ def test_a_waiting_acquisition_looks_again_when_the_lease_runs_out(
     got = waiter.acquire(NAME, holder="b", ttl=60, wait=60)
     assert got.lease is not None
     assert got.lease.epoch == held.epoch + 1
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # far below the 120 s recheck interval
 
 
 def _end_session(engine: Engine, pid: int) -> None:
