@@ -729,10 +729,13 @@ class LeaseStore:
         delivery_prefix: str | None = None,
     ) -> Acquisition:
         """Take up a lease at the epoch a continuation was published under (see
-        ``celery_fence.rejoin`` in the SQL reference): ``outcome`` is ``"joined"`` when the
-        lease is shared with a run still holding it (one more sharer), ``"resumed"`` when this
-        call took it over at the next epoch, with a new token and a new hold window, after a
-        release or expiry with no newer epoch. Either way the caller releases it when done.
+        ``celery_fence.rejoin`` in the SQL reference): in mode ``resume``, ``outcome`` is
+        ``"joined"`` when the lease is shared with a run still holding it (one more sharer),
+        ``"resumed"`` when this call took it over at the next epoch, with a new token and a new
+        hold window, after a release or expiry with no newer epoch; either way the caller
+        releases it when done. Mode ``join`` (a fenced beat's dispatch) only checks that the
+        lease is held at ``epoch``: ``"joined"``, with no lease (the caller neither holds nor
+        releases it) and the current ``owner``.
 
         ``outcome`` is ``"busy"`` (no lease) when a resume waited for the lease's row longer
         than ``lock_timeout`` (fenced writers held it): nothing was decided, and the same call
@@ -777,6 +780,9 @@ class LeaseStore:
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(params, row, action)
+        if mode == "join":
+            # A check: the lease stays its holder's alone.
+            return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         lease = self._lease(row, started, ttl_seconds)
         if row["outcome"] == "resumed":
             log.info(

@@ -19,11 +19,13 @@ CREATE TABLE IF NOT EXISTS example_app.retention_plans (
     holder       text        NOT NULL,
     task_id      text        NOT NULL UNIQUE,
     planned_at   timestamptz NOT NULL DEFAULT clock_timestamp(),
-    document_ids bigint[]    NOT NULL,
-    -- The scheduler lease and epoch of the beat that sent the run; null for a run sent by hand.
-    scheduled_by   text,
-    schedule_epoch bigint
+    document_ids bigint[]    NOT NULL
 );
+-- The scheduler lease and epoch of the beat that sent the run; null for a run sent by hand.
+-- Added to the table apart, so that a table made before them gets them too.
+ALTER TABLE example_app.retention_plans
+    ADD COLUMN IF NOT EXISTS scheduled_by text,
+    ADD COLUMN IF NOT EXISTS schedule_epoch bigint;
 
 -- The current release of each environment, and which release lease epoch made it current.
 CREATE TABLE IF NOT EXISTS example_app.manifests (

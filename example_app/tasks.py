@@ -92,7 +92,7 @@ def plan_retention(self: Any) -> dict[str, Any]:
             epoch=lease.epoch,
             holder=lease.holder,
             task_id=run_id(self),
-            scheduled_by=None if scheduled is None else scheduled.name,
+            scheduled_by=None if scheduled is None else scheduled.lease,
             schedule_epoch=None if scheduled is None else scheduled.epoch,
         )
     logger.info(

@@ -474,10 +474,11 @@ $$;
 -- held (outcome 'joined': one more sharer, so the lease is released only when the last sharer
 -- releases it) and, when it was released or expired with no newer epoch, takes it over at the
 -- next epoch (outcome 'resumed', held by p_successor, p_holder when null); mode 'join' (tasks
--- dispatched by a fenced beat) only shares a lease that is still held, without extending or
--- releasing it. A newer epoch held by a holder starting with p_delivery_prefix is an earlier
--- delivery of the continuation's own message: 'held' (or 'paused') while it holds the lease,
--- taken over once it expired, stale once released. Rejections are recorded.
+-- dispatched by a fenced beat, which then take leases of their own) only checks that the lease
+-- is held at p_epoch, without locking, extending or sharing it, and answers no token. A newer
+-- epoch held by a holder starting with p_delivery_prefix is an earlier delivery of the
+-- continuation's own message: 'held' (or 'paused') while it holds the lease, taken over once it
+-- expired, stale once released. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
@@ -512,6 +513,10 @@ BEGIN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name FOR NO KEY UPDATE;
     ELSE
+        -- A check locks nothing; recording a stale run can wait (a lock on stale_runs), as long.
+        IF p_lock_timeout <> interval '2 seconds' THEN
+            PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
+        END IF;
         SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
     END IF;
     v_now := coalesce(p_now, clock_timestamp());
@@ -541,7 +546,8 @@ BEGIN
         RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;
     IF p_mode = 'join' THEN
-        RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
+        -- A check only: the caller takes a lease of its own, and gets no token of this one.
+        RETURN celery_fence.answer_of('joined', NULL, v_row, false, v_now);
     END IF;
     IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an

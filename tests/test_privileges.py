@@ -120,6 +120,7 @@ def exercise(store: LeaseStore, name: str) -> None:
         action="start child",
     )
     assert joined.outcome == "joined"
+    assert joined.lease is None
     slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
     assert store.claim_slot(lease, entry="plan", slot=slot, task="tasks.plan")
     assert [d.entry for d in store.dispatches(name)] == ["plan"]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from celery import Celery, chain, chord, group, states
 from celery.result import AsyncResult
+from sqlalchemy.engine import Engine
 
 from celery_fence import Lease, LeaseStore
 from celery_fence.contrib.celery import HEADER, REJECTED, SKIPPED, Fence, FenceHeader
@@ -495,7 +496,7 @@ def test_join_header_runs_on_its_own_lease_while_held_and_is_rejected_after(
         run = fence.current()
         assert run.lease is not None
         assert run.dispatched_by is not None
-        runs.append([run.mode, run.lease.name, run.dispatched_by.name, run.dispatched_by.epoch])
+        runs.append([run.mode, run.lease.name, run.dispatched_by.lease, run.dispatched_by.epoch])
 
     beat = take(store, "beat:default", holder="beat@test")
     header = FenceHeader.for_lease(beat, "join").to_message()
@@ -549,6 +550,137 @@ def test_a_beat_dispatch_whose_own_lease_is_taken_gets_its_busy_policy(
         earlier.epoch,
     )
     assert store.stale_runs() == []
+
+
+def superseded_beat(store: LeaseStore) -> dict[str, Any]:
+    """The header of a beat epoch another instance has taken over since."""
+    beat = take(store, "beat:default", holder="beat@test")
+    store.release(beat)
+    take(store, "beat:default", holder="beat-2@test")
+    return FenceHeader.for_lease(beat, "join").to_message()
+
+
+def test_a_beat_dispatch_whose_check_is_kept_waiting_gets_its_busy_policy(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, engine: Engine, wait: Wait
+) -> None:
+    """Recording a stale dispatch can wait (here behind a lock on ``stale_runs``): past the
+    lock timeout nothing was decided, and the run is refused as busy, never let through."""
+    app.conf.fence_lock_timeout = 0.2
+    ran: list[int] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        ran.append(1)
+
+    header = superseded_beat(store)
+    with worker():
+        with engine.begin() as conn:
+            conn.exec_driver_sql("LOCK TABLE celery_fence.stale_runs IN ACCESS EXCLUSIVE MODE")
+            busy = run_with_header(tick, header)
+            assert wait.finished(busy) == SKIPPED
+        later = run_with_header(tick, header)
+        assert wait.finished(later) == REJECTED
+
+    assert ran == []
+    assert (busy.info["lease"], busy.info["reason"]) == ("beat:default", "busy")
+    assert fence.store.metrics.get("rejoin.busy") == 1
+    [stale] = store.stale_runs()
+    assert (stale.lease_name, stale.reason, stale.stale_epoch) == ("beat:default", "superseded", 1)
+    assert store.history("tick") == []
+
+
+@pytest.mark.parametrize("earlier_run", ["expired", "released"])
+def test_a_redelivered_beat_dispatch_whose_first_delivery_started_is_not_checked_again(
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    earlier_run: str,
+) -> None:
+    """The first delivery passed the check and took the task's lease, then its worker was
+    lost; the beat's leader changed meanwhile. The redelivery takes the lease over instead of
+    being rejected, unless the first delivery had finished (released the lease)."""
+    runs: list[list[Any]] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        run = fence.current()
+        assert run.lease is not None
+        assert run.dispatched_by is not None
+        runs.append([run.lease.epoch, run.dispatched_by.epoch])
+
+    task_id = str(uuid.uuid4())
+    beat = take(store, "beat:default", holder="beat@test")
+    header = FenceHeader.for_lease(beat, "join").to_message()
+    first = take(store, "tick", holder=f"{tick.name}[{task_id}]@lost-host")
+    if earlier_run == "expired":
+        expire_lease("tick")
+    else:
+        store.release(first)
+    store.release(beat)
+    take(store, "beat:default", holder="beat-2@test")
+    with worker():
+        result = tick.apply_async(headers={HEADER: header}, task_id=task_id)
+        state = wait.finished(result)
+
+    if earlier_run == "expired":
+        assert state == states.SUCCESS
+        assert runs == [[first.epoch + 1, beat.epoch]]
+        assert store.stale_runs() == []
+    else:
+        assert state == REJECTED
+        assert runs == []
+        [stale] = store.stale_runs()
+        assert (stale.lease_name, stale.reason) == ("beat:default", "superseded")
+
+
+@pytest.mark.parametrize("own_lease", ["free", "held"])
+def test_shadow_mode_runs_a_beat_dispatch_as_enforcement_would_and_records_what_it_refuses(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, own_lease: str
+) -> None:
+    """A stale dispatch is recorded and goes on as an accepted one would: on the task's own
+    lease, or unfenced when that is held."""
+    app.conf.fence_enforcement = "shadow"
+
+    @fence.task(lease="tick")
+    def tick() -> list[Any]:
+        run = fence.current()
+        assert run.dispatched_by is not None
+        return [run.mode, run.lease is not None, run.dispatched_by.epoch]
+
+    header = superseded_beat(store)
+    if own_lease == "held":
+        take(store, "tick", holder="tick[earlier-slot]@test")
+    with worker():
+        outcome = wait.outcome(run_with_header(tick, header))
+
+    assert outcome == ["owner", own_lease == "free", 1]
+    [stale] = store.stale_runs()
+    assert (stale.lease_name, stale.reason, stale.enforced) == ("beat:default", "superseded", False)
+    assert fence.store.metrics.get("shadow.held") == (own_lease == "held")
+
+
+def test_enforcement_off_runs_a_beat_dispatch_unchecked_and_names_it(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    app.conf.fence_enforcement = "off"
+
+    @fence.task(lease="tick")
+    def tick() -> list[Any]:
+        run = fence.current()
+        assert run.dispatched_by is not None
+        return [run.lease is None, run.dispatched_by.lease, run.dispatched_by.epoch]
+
+    with worker():
+        assert wait.outcome(run_with_header(tick, superseded_beat(store))) == [
+            True,
+            "beat:default",
+            1,
+        ]
+
+    assert store.stale_runs() == []
+    assert store.history("tick") == []
 
 
 def test_shadow_mode_runs_a_stale_header_and_records_it(

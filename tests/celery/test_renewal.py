@@ -160,7 +160,7 @@ def test_a_run_dispatched_by_beat_keeps_its_own_lease_when_the_leader_changes(
             run.held,
             run.lease.name,
             run.lease.epoch,
-            run.dispatched_by.name,
+            run.dispatched_by.lease,
             run.dispatched_by.epoch,
             run.dispatched_by.holder,
         ]

@@ -30,7 +30,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease, Owner
+from celery_fence.models import Acquisition, Lease
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
@@ -60,8 +60,8 @@ class FencedRun:
     fenced run on the same lease, sharing its publisher's epoch or taking the lease over at the
     next one). ``lease`` is ``None`` when the run goes ahead without a lease: in an environment
     whose enforcement is ``off``, or in shadow mode when it would have been refused; its guards
-    then let the writes through. ``dispatched_by`` is, for a run a fenced beat dispatched, the
-    scheduler's lease at the epoch that sent it, as checked current when the run started.
+    then let the writes through. ``dispatched_by`` is, for a run of a message a fenced beat
+    sent, the beat's header: its lease, epoch and holder.
     """
 
     def __init__(
@@ -74,7 +74,6 @@ class FencedRun:
         keeper: LeaseKeeper | None = None,
         release_at_end: bool = False,
         min_hold: float = 0.0,
-        dispatched_by: Owner | None = None,
     ) -> None:
         self.store = store
         self.mode = mode
@@ -82,7 +81,7 @@ class FencedRun:
         self.keeper = keeper
         self.release_at_end = release_at_end
         self.min_hold = min_hold
-        self.dispatched_by = dispatched_by
+        self.dispatched_by: FenceHeader | None = None
         self.started = time.monotonic()
         self._lease = lease
 
@@ -364,10 +363,22 @@ class Fence:
             else settings.environment
         )
         enforcement = settings.enforcement_for(environment)
-        if enforcement == "off":
-            return FencedRun(store=self.store, mode="owner", enforced=False)
-        enforced = enforcement == "enforce"
         value = _header_of(task.request)
+        if enforcement == "off":
+            run = FencedRun(store=self.store, mode="owner", enforced=False)
+        else:
+            run = self._start(task, value, arguments, environment, enforcement == "enforce")
+        run.dispatched_by = _dispatch_of(value)
+        return run
+
+    def _start(
+        self,
+        task: FencedTask,
+        value: object | None,
+        arguments: Mapping[str, Any],
+        environment: str,
+        enforced: bool,
+    ) -> FencedRun:
         if value is None and task.request.called_directly:
             # Called as a function (celery.starmap and chunks call each item so) inside a fenced
             # run, or inside a task one published: it continues that run, as a task published
@@ -408,12 +419,7 @@ class Fence:
             log.warning("could not release lease %s (it will expire): %s", lease.name, exc)
 
     def _acquire(
-        self,
-        task: FencedTask,
-        arguments: Mapping[str, Any],
-        environment: str,
-        enforced: bool,
-        dispatched_by: Owner | None = None,
+        self, task: FencedTask, arguments: Mapping[str, Any], environment: str, enforced: bool
     ) -> FencedRun:
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
@@ -463,7 +469,6 @@ class Fence:
             keeper=keeper,
             release_at_end=True,
             min_hold=task.fence_min_hold,
-            dispatched_by=dispatched_by,
         )
 
     def _done_before(
@@ -505,6 +510,16 @@ class Fence:
         self.store.metrics.incr(f"shadow.{got.outcome}")
         return FencedRun(store=self.store, mode=mode, enforced=False)
 
+    def _started_before(self, task: FencedTask, arguments: Mapping[str, Any]) -> bool:
+        """Whether an earlier delivery of this message holds the task's lease, or held it until
+        it expired: it started, and did not finish."""
+        if task.delivery_prefix() is None:
+            return False
+        owner = self.store.owner(_fill(task.fence_lease, arguments, "lease"))
+        return (
+            owner is not None and owner.released_at is None and task.earlier_delivery(owner.holder)
+        )
+
     def _continue(
         self,
         task: FencedTask,
@@ -515,8 +530,8 @@ class Fence:
     ) -> FencedRun | None:
         """Run under the header's epoch (a retry or child of a run on this task's own lease,
         ``resume``), or, for a beat dispatch (``join``), check that the scheduler's epoch is still
-        current and then take the task's own lease. ``None`` for a header about another lease,
-        which the task does not continue: it takes its own lease instead."""
+        current. ``None`` when the run is to take the task's own lease: a header about another
+        lease, which the task does not continue, or a beat dispatch that may go on."""
         action = f"start {task.name}"
         ttl = task.lease_ttl(self.settings)
         interval = task.renew_interval(self.settings, ttl)
@@ -528,6 +543,12 @@ class Fence:
                 done = self._done_before(task, header.lease, enforced, "resume")
                 if done is not None:
                     return done
+            elif task.waited_for() is not None or self._started_before(task, arguments):
+                # An earlier delivery of this very message passed the check and took the task's
+                # lease (its worker was lost, or the broker's visibility timeout passed), or this
+                # is the retry of a delivery that found it so: the dispatch was checked. This
+                # delivery waits for that one, takes over from it, or is dropped once it ended.
+                return None
             got = self.store.rejoin(
                 header.lease,
                 epoch=header.epoch,
@@ -562,16 +583,23 @@ class Fence:
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
         except LeaseLostError as exc:
-            return (
+            if enforced:
                 task.reject(exc)
-                if enforced
+            # Shadow mode: a stale dispatch goes on as an accepted one would, on the task's lease.
+            return (
+                None
+                if header.mode == "join"
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
         if header.mode == "join":
+            if got.outcome != "joined":
+                # The check waited past lock_timeout (recording a stale run can wait): nothing
+                # was decided, and the busy policy applies.
+                return self._refused(task, header.lease, got, enforced, "owner")
             # The dispatch was the current leader's: the run is the task's own from here on, on
             # its lease, so that a change of leader does not reach it and two runs of one entry
             # do not overlap.
-            return self._acquire(task, arguments, environment, enforced, dispatched_by=got.owner)
+            return None
         if got.lease is None:
             # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
             # earlier delivery of its message took over and holds.
@@ -927,6 +955,16 @@ def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
         raise ConfigurationError(
             f"cannot fill the {what} template {template!r} from the task's arguments: {exc!r}"
         ) from exc
+
+
+def _dispatch_of(value: object | None) -> FenceHeader | None:
+    """The header ``value`` when it is a fenced beat's (mode ``join``) and well formed."""
+    if not isinstance(value, Mapping) or value.get("mode") != "join":
+        return None
+    try:
+        return FenceHeader.from_message(value)
+    except MalformedHeaderError:
+        return None
 
 
 def _header_of(request: Any) -> object | None:
