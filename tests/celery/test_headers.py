@@ -23,7 +23,14 @@ from celery.result import AsyncResult
 from sqlalchemy.engine import Engine
 
 from celery_fence import Lease, LeaseStore
-from celery_fence.contrib.celery import HEADER, REJECTED, SKIPPED, Fence, FenceHeader
+from celery_fence.contrib.celery import (
+    HEADER,
+    REJECTED,
+    SKIPPED,
+    Fence,
+    FencedRun,
+    FenceHeader,
+)
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -38,6 +45,15 @@ def take(store: LeaseStore, name: str = NAME, holder: str = HOLDER) -> Lease:
     got = store.acquire(name, holder=holder, ttl=60, environment="default")
     assert got.lease is not None, got
     return got.lease
+
+
+def beat_run(run: FencedRun) -> list[Any]:
+    """What a run the beat sent runs under: its mode, its own lease and epoch, and the beat's
+    lease and epoch."""
+    assert run.lease is not None
+    assert run.dispatched_by is not None
+    lease, beat = run.lease, run.dispatched_by
+    return [run.mode, lease.name, lease.epoch, beat.lease, beat.epoch]
 
 
 def run_with_header(task: Any, header: object, *args: Any) -> AsyncResult:
@@ -493,10 +509,7 @@ def test_join_header_runs_on_its_own_lease_while_held_and_is_rejected_after(
 
     @fence.task(lease="tick")
     def tick() -> None:
-        run = fence.current()
-        assert run.lease is not None
-        assert run.dispatched_by is not None
-        runs.append([run.mode, run.lease.name, run.dispatched_by.lease, run.dispatched_by.epoch])
+        runs.append(beat_run(fence.current()))
 
     beat = take(store, "beat:default", holder="beat@test")
     header = FenceHeader.for_lease(beat, "join").to_message()
@@ -515,7 +528,7 @@ def test_join_header_runs_on_its_own_lease_while_held_and_is_rejected_after(
         late = run_with_header(tick, header)
         assert wait.finished(late) == REJECTED
 
-    assert runs == [["owner", "tick", "beat:default", 1]]
+    assert runs == [["owner", "tick", 1, "beat:default", 1]]
     assert late.info["reason"] == lease_ends
     [stale] = store.stale_runs(lease_name="beat:default")
     assert (stale.reason, stale.stale_epoch, stale.stale_holder) == (lease_ends, 1, "beat@test")
@@ -605,10 +618,7 @@ def test_a_redelivered_beat_dispatch_whose_first_delivery_started_is_not_checked
 
     @fence.task(lease="tick")
     def tick() -> None:
-        run = fence.current()
-        assert run.lease is not None
-        assert run.dispatched_by is not None
-        runs.append([run.lease.epoch, run.dispatched_by.epoch])
+        runs.append(beat_run(fence.current()))
 
     task_id = str(uuid.uuid4())
     beat = take(store, "beat:default", holder="beat@test")
@@ -626,7 +636,7 @@ def test_a_redelivered_beat_dispatch_whose_first_delivery_started_is_not_checked
 
     if earlier_run == "expired":
         assert state == states.SUCCESS
-        assert runs == [[first.epoch + 1, beat.epoch]]
+        assert runs == [["owner", "tick", first.epoch + 1, "beat:default", beat.epoch]]
         assert store.stale_runs() == []
     else:
         assert state == REJECTED
