@@ -177,7 +177,9 @@ def slots_dispatched_once(snapshot: Snapshot) -> Check:
 def one_plan_per_slot(snapshot: Snapshot) -> Check:
     """Per scheduler epoch, no more plans from beat than slots it dispatched; each plan written
     by the holder of the planner lease's epoch it names."""
-    slots = Counter((d.schedule, d.epoch) for d in snapshot.dispatches)
+    slots: Counter[tuple[str | None, int | None]] = Counter(
+        (d.schedule, d.epoch) for d in snapshot.dispatches
+    )
     scheduled = [p for p in snapshot.plans if p.scheduled_by is not None]
     plans = Counter((p.scheduled_by, p.schedule_epoch) for p in scheduled)
     problems = [

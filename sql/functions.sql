@@ -475,10 +475,10 @@ $$;
 -- releases it) and, when it was released or expired with no newer epoch, takes it over at the
 -- next epoch (outcome 'resumed', held by p_successor, p_holder when null); mode 'join' (tasks
 -- dispatched by a fenced beat, which then take leases of their own) only checks that the lease
--- is held at p_epoch, without locking, extending or sharing it, and answers no token. A newer
--- epoch held by a holder starting with p_delivery_prefix is an earlier delivery of the
--- continuation's own message: 'held' (or 'paused') while it holds the lease, taken over once it
--- expired, stale once released. Rejections are recorded.
+-- is held at p_epoch, without locking, extending or sharing it. A newer epoch held by a holder
+-- starting with p_delivery_prefix is an earlier delivery of the continuation's own message:
+-- 'held' (or 'paused') while it holds the lease, taken over once it expired, stale once
+-- released. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
@@ -546,8 +546,7 @@ BEGIN
         RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;
     IF p_mode = 'join' THEN
-        -- A check only: the caller takes a lease of its own, and gets no token of this one.
-        RETURN celery_fence.answer_of('joined', NULL, v_row, false, v_now);
+        RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
     IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an

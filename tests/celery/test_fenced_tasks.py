@@ -647,9 +647,9 @@ def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(
     looked = Fence._done_before
 
     def look_then_end(
-        self: Fence, task: FencedTask, name: str, enforced: bool, mode: Any
+        self: Fence, task: FencedTask, name: str, enforced: bool, *rest: Any
     ) -> FencedRun | None:
-        done = looked(self, task, name, enforced, mode)
+        done = looked(self, task, name, enforced, *rest)
         owner = store.owner(NAME)
         if task.waited_for() is not None and owner is not None and owner.state == "held":
             store.release(lease)  # the earlier delivery ends now, after the look

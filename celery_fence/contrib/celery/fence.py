@@ -72,14 +72,12 @@ class FencedRun:
         enforced: bool,
         lease: Lease | None = None,
         keeper: LeaseKeeper | None = None,
-        release_at_end: bool = False,
         min_hold: float = 0.0,
     ) -> None:
         self.store = store
         self.mode = mode
         self.enforced = enforced
         self.keeper = keeper
-        self.release_at_end = release_at_end
         self.min_hold = min_hold
         self.dispatched_by: FenceHeader | None = None
         self.started = time.monotonic()
@@ -393,11 +391,12 @@ class Fence:
         return self._acquire(task, arguments, environment, enforced)
 
     def end(self, run: FencedRun) -> None:
-        """Stop renewing; release the lease if this run holds it and need not keep it."""
+        """Stop renewing; release the lease if this run holds it and need not keep it (a
+        continuation sharing its publisher's lease only leaves it)."""
         if run.keeper is not None:
             run.keeper.stop()
         lease = run.lease
-        if lease is None or not run.release_at_end:
+        if lease is None:
             return
         if run.min_hold > 0 and time.monotonic() - run.started < run.min_hold:
             log.info(
@@ -419,13 +418,20 @@ class Fence:
             log.warning("could not release lease %s (it will expire): %s", lease.name, exc)
 
     def _acquire(
-        self, task: FencedTask, arguments: Mapping[str, Any], environment: str, enforced: bool
+        self,
+        task: FencedTask,
+        arguments: Mapping[str, Any],
+        environment: str,
+        enforced: bool,
+        since: int | None = None,
     ) -> FencedRun:
+        """Take the task's lease for this run. ``since``: the epoch of it an earlier delivery of
+        this message took, when known other than by the ``WAITING`` header."""
         settings = self.settings
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = task.lease_ttl(settings)
         interval = task.renew_interval(settings, ttl)
-        done = self._done_before(task, name, enforced, "owner")
+        done = self._done_before(task, name, enforced, "owner", since)
         if done is not None:
             return done
         try:
@@ -452,7 +458,7 @@ class Fence:
         try:
             # The earlier delivery this one waited for may have run to its end between the look
             # above and this acquisition: then the work is done.
-            finished = task.finished_before(name, lease.epoch)
+            finished = task.finished_before(name, lease.epoch, since)
             keeper = None if finished else LeaseKeeper(lease, renew, interval=interval).start()
         except BaseException:
             # A run that cannot go on does not keep the lease until it expires.
@@ -467,20 +473,20 @@ class Fence:
             mode="owner",
             enforced=enforced,
             keeper=keeper,
-            release_at_end=True,
             min_hold=task.fence_min_hold,
         )
 
     def _done_before(
-        self, task: FencedTask, name: str, enforced: bool, mode: RunMode
+        self, task: FencedTask, name: str, enforced: bool, mode: RunMode, since: int | None = None
     ) -> FencedRun | None:
         """The refused run of a delivery that waited for an earlier delivery of its message to
-        end, when that one ran to its end and released the lease: it did the work, which must
-        not run twice. ``None`` for any other delivery."""
-        if task.waited_for() is None:
+        end (or found it had taken the lease at epoch ``since``), when that one ran to its end
+        and released the lease: it did the work, which must not run twice. ``None`` for any
+        other delivery."""
+        if since is None and task.waited_for() is None:
             return None
         owner = self.store.owner(name)
-        if owner is None or not task.finished_before(name, owner.epoch):
+        if owner is None or not task.finished_before(name, owner.epoch, since):
             return None
         done = Acquisition(outcome="held", lease=None, owner=owner)
         return self._refused(task, name, done, enforced, mode, done=True)
@@ -500,6 +506,11 @@ class Fence:
         mode, the run goes ahead unfenced, logged and counted."""
         if enforced:
             task.refuse(name, got, done=done)
+        self._would_refuse(task, name, got)
+        return FencedRun(store=self.store, mode=mode, enforced=False)
+
+    def _would_refuse(self, task: FencedTask, name: str, got: Acquisition) -> None:
+        """Log and count what shadow mode lets through."""
         log.warning(
             "shadow mode: %s would have been refused lease %s (%s); running anyway",
             task.name,
@@ -508,17 +519,16 @@ class Fence:
             extra={"lease": name, "outcome": got.outcome},
         )
         self.store.metrics.incr(f"shadow.{got.outcome}")
-        return FencedRun(store=self.store, mode=mode, enforced=False)
 
-    def _started_before(self, task: FencedTask, arguments: Mapping[str, Any]) -> bool:
-        """Whether an earlier delivery of this message holds the task's lease, or held it until
-        it expired: it started, and did not finish."""
+    def _earlier_delivery(self, task: FencedTask, arguments: Mapping[str, Any]) -> int | None:
+        """The epoch of the task's lease an earlier delivery of this message took, when that is
+        the lease's latest epoch (held, expired or released)."""
         if task.delivery_prefix() is None:
-            return False
+            return None
         owner = self.store.owner(_fill(task.fence_lease, arguments, "lease"))
-        return (
-            owner is not None and owner.released_at is None and task.earlier_delivery(owner.holder)
-        )
+        if owner is None or not task.earlier_delivery(owner.holder):
+            return None
+        return owner.epoch
 
     def _continue(
         self,
@@ -533,37 +543,8 @@ class Fence:
         current. ``None`` when the run is to take the task's own lease: a header about another
         lease, which the task does not continue, or a beat dispatch that may go on."""
         action = f"start {task.name}"
-        ttl = task.lease_ttl(self.settings)
-        interval = task.renew_interval(self.settings, ttl)
         try:
             header = FenceHeader.from_message(value)
-            if header.mode == "resume":
-                if header.lease != _fill(task.fence_lease, arguments, "lease"):
-                    return None
-                done = self._done_before(task, header.lease, enforced, "resume")
-                if done is not None:
-                    return done
-            elif task.waited_for() is not None or self._started_before(task, arguments):
-                # An earlier delivery of this very message passed the check and took the task's
-                # lease (its worker was lost, or the broker's visibility timeout passed), or this
-                # is the retry of a delivery that found it so: the dispatch was checked. This
-                # delivery waits for that one, takes over from it, or is dropped once it ended.
-                return None
-            got = self.store.rejoin(
-                header.lease,
-                epoch=header.epoch,
-                holder=header.holder,
-                mode=header.mode,
-                proof=header.proof,
-                ttl=ttl,
-                action=action,
-                enforce=enforced,
-                environment=environment,
-                # A take-over goes on in this run's name, so that a redelivery of this message
-                # finds it its own earlier delivery's and waits for it (see FencedTask.refuse).
-                successor=task.holder(),
-                delivery_prefix=task.delivery_prefix(),
-            )
         except MalformedHeaderError as exc:
             self.store.record_stale_run(
                 exc.lease_name or "(unreadable)",
@@ -582,24 +563,59 @@ class Fence:
                 if enforced
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
+        ttl = task.lease_ttl(self.settings)
+        if header.mode == "resume":
+            if header.lease != _fill(task.fence_lease, arguments, "lease"):
+                return None
+            # Before the lease is taken up: a run that cannot renew it fails first.
+            interval = task.renew_interval(self.settings, ttl)
+            done = self._done_before(task, header.lease, enforced, "resume")
+            if done is not None:
+                return done
+        else:
+            since = task.waited_for() or self._earlier_delivery(task, arguments)
+            if since is not None:
+                # An earlier delivery of this very message passed the check and took the task's
+                # lease (its worker was lost, or the broker's visibility timeout passed), or this
+                # is the retry of a delivery that found it so: the dispatch was checked. This one
+                # waits for that delivery, takes over from it, or is dropped once it ran to its
+                # end.
+                return self._acquire(task, arguments, environment, enforced, since)
+        try:
+            got = self.store.rejoin(
+                header.lease,
+                epoch=header.epoch,
+                holder=header.holder,
+                mode=header.mode,
+                proof=header.proof,
+                ttl=ttl,
+                action=action,
+                enforce=enforced,
+                environment=environment,
+                # A take-over goes on in this run's name, so that a redelivery of this message
+                # finds it its own earlier delivery's and waits for it (see FencedTask.refuse).
+                successor=task.holder(),
+                delivery_prefix=task.delivery_prefix(),
+            )
         except LeaseLostError as exc:
             if enforced:
                 task.reject(exc)
+            if header.mode == "resume":
+                return FencedRun(store=self.store, mode="resume", enforced=False)
             # Shadow mode: a stale dispatch goes on as an accepted one would, on the task's lease.
-            return (
-                None
-                if header.mode == "join"
-                else FencedRun(store=self.store, mode="resume", enforced=False)
-            )
+            return self._acquire(task, arguments, environment, enforced)
         if header.mode == "join":
             if got.outcome != "joined":
-                # The check waited past lock_timeout (recording a stale run can wait): nothing
-                # was decided, and the busy policy applies.
-                return self._refused(task, header.lease, got, enforced, "owner")
+                # The check waited past lock_timeout (the stale run it found could not be
+                # recorded, behind a lock on stale_runs): nothing is recorded, and the busy
+                # policy applies; in shadow mode the run goes on as below.
+                if enforced:
+                    task.refuse(header.lease, got)
+                self._would_refuse(task, header.lease, got)
             # The dispatch was the current leader's: the run is the task's own from here on, on
             # its lease, so that a change of leader does not reach it and two runs of one entry
             # do not overlap.
-            return None
+            return self._acquire(task, arguments, environment, enforced)
         if got.lease is None:
             # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
             # earlier delivery of its message took over and holds.
@@ -616,7 +632,6 @@ class Fence:
             mode="resume",
             enforced=enforced,
             keeper=keeper,
-            release_at_end=True,
         )
 
 
@@ -703,12 +718,13 @@ class FencedTask(Task):  # type: ignore[misc]
         prefix = self.delivery_prefix()
         return prefix is not None and holder.startswith(prefix)
 
-    def finished_before(self, name: str, epoch: int) -> bool:
+    def finished_before(self, name: str, epoch: int, since: int | None = None) -> bool:
         """Whether this delivery waited for an earlier delivery of its message (see
-        :meth:`waited_for`) that ran to its end: an epoch of the lease from the one it waited
-        for on (``epoch`` is the lease's now) ended released, held by a run of this message. A
-        pause since, or other messages' epochs after it, do not hide it."""
-        waited = self.waited_for()
+        :meth:`waited_for`; ``since``, the epoch that delivery took, when known otherwise) that
+        ran to its end: an epoch of the lease from the one it waited for on (``epoch`` is the
+        lease's now) ended released, held by a run of this message. A pause since, or other
+        messages' epochs after it, do not hide it."""
+        waited = since if since is not None else self.waited_for()
         prefix = self.delivery_prefix()
         if waited is None or prefix is None or epoch < waited:
             return False
