@@ -606,6 +606,25 @@ def test_a_beat_dispatch_whose_check_is_kept_waiting_gets_its_busy_policy(
     assert store.history("tick") == []
 
 
+def test_shadow_mode_runs_a_beat_dispatch_whose_check_is_kept_waiting_on_its_own_lease(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, engine: Engine, wait: Wait
+) -> None:
+    app.conf.update(fence_lock_timeout=0.2, fence_enforcement="shadow")
+
+    @fence.task(lease="tick")
+    def tick() -> list[Any]:
+        return beat_run(fence.current())
+
+    header = superseded_beat(store)
+    with worker(), engine.begin() as conn:
+        conn.exec_driver_sql("LOCK TABLE celery_fence.stale_runs IN ACCESS EXCLUSIVE MODE")
+        outcome = wait.outcome(run_with_header(tick, header))
+
+    assert outcome == ["owner", "tick", 1, "beat:default", 1]
+    assert fence.store.metrics.get("shadow.busy") == 1
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("earlier_run", ["expired", "released", "released meanwhile"])
 def test_a_redelivered_beat_dispatch_whose_first_delivery_started_is_not_checked_again(
     fence: Fence,
