@@ -540,8 +540,8 @@ class Fence:
     ) -> FencedRun | None:
         """Run under the header's epoch (a retry or child of a run on this task's own lease,
         ``resume``), or, for a beat dispatch (``join``), check that the scheduler's epoch is still
-        current. ``None`` when the run is to take the task's own lease: a header about another
-        lease, which the task does not continue, or a beat dispatch that may go on."""
+        current and take the task's own lease. ``None`` for a header about another lease, which
+        the task does not continue: it takes its own lease instead."""
         action = f"start {task.name}"
         try:
             header = FenceHeader.from_message(value)
