@@ -737,9 +737,9 @@ class LeaseStore:
         lease is held at ``epoch``: ``"joined"``, with no lease (the caller neither holds nor
         releases it) and the current ``owner``.
 
-        ``outcome`` is ``"busy"`` (no lease) when a resume waited for the lease's row longer
-        than ``lock_timeout`` (fenced writers held it): nothing was decided, and the same call
-        may be made again later.
+        ``outcome`` is ``"busy"`` (no lease) when the call waited longer than ``lock_timeout``:
+        a resume for the lease's row (fenced writers held it), a join for the record of the
+        stale run it found. Nothing was decided, and the same call may be made again later.
 
         A take-over is held by ``successor`` (default ``holder``). A resume that finds a newer
         epoch held by a holder starting with ``delivery_prefix`` (an earlier delivery of the

@@ -9,6 +9,7 @@ the schedulers send can be counted there; the slots they claimed are rows in
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -118,6 +119,8 @@ def test_a_fresh_scheduler_takes_the_lease_and_sends_a_due_entry(
         1,
         "join",
     )
+    # A publication id per dispatch: two sent with one task id (a task_id option) are told apart.
+    assert re.fullmatch("[0-9a-f]{32}", fence_header["publication"])
 
 
 def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_backlog(

@@ -32,6 +32,7 @@ from celery_fence.contrib.celery import (
     FencedRun,
     FenceHeader,
 )
+from celery_fence.contrib.celery.fence import WAITING
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -681,6 +682,61 @@ def test_a_redelivered_beat_dispatch_whose_first_delivery_started_is_not_checked
         assert [entry.holder for entry in store.history("tick")][-1] == first.holder
         assert store.owner("tick").state == "released"
     assert store.stale_runs() == []
+
+
+def test_two_beat_dispatches_with_one_task_id_are_not_each_others_redelivery(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """An entry may give its task a fixed id (its ``task_id`` option): each dispatch carries a
+    publication id of its own, so the next slot's run is not taken for a redelivery of the last
+    one's and dropped."""
+    runs: list[list[Any]] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        runs.append(beat_run(fence.current()))
+
+    header = FenceHeader.for_lease(take(store, "beat:default", holder="beat@test"), "join")
+    with worker():
+        for publication in ("a" * 32, "b" * 32):
+            message = {**header.to_message(), "publication": publication}
+            result = tick.apply_async(headers={HEADER: message}, task_id="plan-daily")
+            assert wait.finished(result) == states.SUCCESS
+
+    assert runs == [
+        ["owner", "tick", 1, "beat:default", 1],
+        ["owner", "tick", 2, "beat:default", 1],
+    ]
+    assert fence.store.metrics.get("busy.duplicate") == 0
+
+
+@pytest.mark.parametrize("case", ["a wait header", "min_hold"])
+def test_a_stale_beat_dispatch_is_checked_whatever_its_earlier_delivery_looks_like(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, case: str
+) -> None:
+    """A wait header is no proof that an earlier delivery was checked, and the lease a min_hold
+    run keeps after it ended is no lost delivery: the check is made, and rejects."""
+    ran: list[int] = []
+
+    @fence.task(lease="tick", min_hold=60 if case == "min_hold" else 0)
+    def tick() -> None:
+        ran.append(1)
+
+    task_id = str(uuid.uuid4())
+    header = superseded_beat(store)
+    headers: dict[str, Any] = {HEADER: header}
+    if case == "a wait header":
+        headers[WAITING] = {"epoch": 1, "expires_at": datetime.now(timezone.utc).isoformat()}
+    else:
+        take(store, "tick", holder=f"{tick.name}[{task_id}]@host")  # kept after its run ended
+    with worker():
+        result = tick.apply_async(headers=headers, task_id=task_id)
+        assert wait.finished(result) == REJECTED
+
+    assert ran == []
+    assert result.info["reason"] == "superseded"
+    [stale] = store.stale_runs()
+    assert (stale.lease_name, stale.stale_epoch) == ("beat:default", 1)
 
 
 @pytest.mark.parametrize("own_lease", ["free", "held"])

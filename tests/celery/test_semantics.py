@@ -239,8 +239,8 @@ def test_a_continuation_kept_waiting_by_a_fenced_writer_gets_the_busy_policy(
         assert isinstance(failures[failed.id], LeaseBusyError)
         assert result.info["reason"] == "busy"
         assert (
-            "is busy: its row stayed locked by fenced writers or other acquirers"
-            in (result.info["message"])
+            "is busy: the call waited past lock_timeout for a lock held by fenced writers or "
+            "other acquirers" in (result.info["message"])
         )
         assert fence.store.metrics.get("rejoin.busy") == 2
         # Nothing was recorded against the holder; once its write committed, a continuation joins.

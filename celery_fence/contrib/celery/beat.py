@@ -266,7 +266,10 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             )
             return None
         headers = dict(entry.options.get("headers") or {})
-        headers[HEADER] = FenceHeader.for_lease(lease, "join").to_message()
+        # A publication id of its own: runs of two dispatches sent with one task id (an entry's
+        # task_id option) are told apart, as a redelivery of each is told from the other.
+        header = FenceHeader.for_lease(lease, "join").to_message()
+        headers[HEADER] = {**header, "publication": uuid.uuid4().hex}
         entry.options["headers"] = headers
         return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from datetime import datetime, timezone
 from functools import cached_property
 from typing import Any, Literal, NoReturn
@@ -30,7 +31,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.models import Acquisition, Lease
+from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
@@ -526,9 +527,9 @@ class Fence:
         if task.delivery_prefix() is None:
             return None
         owner = self.store.owner(_fill(task.fence_lease, arguments, "lease"))
-        if owner is None or not task.earlier_delivery(owner.holder):
-            return None
-        return owner.epoch
+        return (
+            owner.epoch if owner is not None and task.owned_by_an_earlier_delivery(owner) else None
+        )
 
     def _continue(
         self,
@@ -573,13 +574,12 @@ class Fence:
             if done is not None:
                 return done
         else:
-            since = task.waited_for() or self._earlier_delivery(task, arguments)
+            since = self._earlier_delivery(task, arguments)
             if since is not None:
                 # An earlier delivery of this very message passed the check and took the task's
-                # lease (its worker was lost, or the broker's visibility timeout passed), or this
-                # is the retry of a delivery that found it so: the dispatch was checked. This one
-                # waits for that delivery, takes over from it, or is dropped once it ran to its
-                # end.
+                # lease, its latest epoch (its worker was lost, or the broker's visibility timeout
+                # passed): the dispatch was checked. This one waits for that delivery, takes over
+                # from it, or is dropped once it ran to its end.
                 return self._acquire(task, arguments, environment, enforced, since)
         try:
             got = self.store.rejoin(
@@ -610,7 +610,9 @@ class Fence:
                 # recorded, behind a lock on stale_runs): nothing is recorded, and the busy
                 # policy applies; in shadow mode the run goes on as below.
                 if enforced:
-                    task.refuse(header.lease, got)
+                    # Retried soon (on_busy="retry"): it waited for a lock, not for the beat's
+                    # lease to end.
+                    task.refuse(header.lease, replace(got, owner=None))
                 self._would_refuse(task, header.lease, got)
             # The dispatch was the current leader's: the run is the task's own from here on, on
             # its lease, so that a change of leader does not reach it and two runs of one entry
@@ -739,14 +741,21 @@ class FencedTask(Task):  # type: ignore[misc]
             return epoch
         return None
 
+    def owned_by_an_earlier_delivery(self, owner: Owner | None) -> bool:
+        """Whether the lease's latest epoch (``owner``) is an earlier delivery's of this
+        message, whose run may be gone: the lease tells once it expires. Not for a task with
+        ``min_hold``, whose lease is kept on purpose after a finished run."""
+        return owner is not None and not self.fence_min_hold and self.earlier_delivery(owner.holder)
+
     def _held_by_an_earlier_delivery(self, got: Acquisition) -> bool:
-        """Whether the refused lease is held by an earlier delivery of this message (whose run
-        may be gone: the lease tells once it expires). Not for a task with ``min_hold``, whose
-        lease is kept on purpose after a finished run."""
+        """Whether the refused lease is held by an earlier delivery of this message."""
         owner = got.owner
-        if owner is None or got.outcome != "held" or self.fence_min_hold:
-            return False
-        return owner.held and self.earlier_delivery(owner.holder)
+        return (
+            got.outcome == "held"
+            and owner is not None
+            and owner.held
+            and self.owned_by_an_earlier_delivery(owner)
+        )
 
     def lease_ttl(self, settings: FenceSettings) -> float:
         """The TTL of the task's lease, its own or the default: what renewals extend it by, for
@@ -825,8 +834,8 @@ class FencedTask(Task):  # type: ignore[misc]
         elif reason == "busy":
             holder = f"{who}, {owner.state}" if owner else "unknown"
             message = (
-                f"{self.name}: lease {name} is busy: its row stayed locked by fenced writers or "
-                f"other acquirers (holder {holder})"
+                f"{self.name}: lease {name} is busy: the call waited past lock_timeout for a "
+                f"lock held by fenced writers or other acquirers (holder {holder})"
             )
         else:
             message = f"{self.name}: lease {name} is held by {who} until {until}"
