@@ -739,6 +739,37 @@ def test_a_stale_beat_dispatch_is_checked_whatever_its_earlier_delivery_looks_li
     assert (stale.lease_name, stale.stale_epoch) == ("beat:default", 1)
 
 
+def test_a_waiting_retry_of_a_beat_dispatch_whose_earlier_delivery_finished_is_dropped(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """The redelivery was sent to wait for its earlier delivery, which then ran to its end;
+    another run took the task's lease since, and the beat's leader changed. The retry leaves
+    the earlier delivery's result alone: dropped, not rejected."""
+    ran: list[int] = []
+
+    @fence.task(lease="tick")
+    def tick() -> None:
+        ran.append(1)
+
+    task_id, publication = str(uuid.uuid4()), "c" * 32
+    beat = take(store, "beat:default", holder="beat@test")
+    header = {**FenceHeader.for_lease(beat, "join").to_message(), "publication": publication}
+    first = take(store, "tick", holder=f"{tick.name}[{task_id}]#{publication}@lost-host")
+    store.release(first)
+    store.release(take(store, "tick", holder="tick[next-slot]@test"))
+    store.release(beat)
+    take(store, "beat:default", holder="beat-2@test")
+    waiting = {"epoch": first.epoch, "expires_at": first.expires_at.isoformat()}
+    metrics = fence.store.metrics
+    with worker():
+        result = tick.apply_async(headers={HEADER: header, WAITING: waiting}, task_id=task_id)
+        wait.until(lambda: metrics.get("busy.duplicate") == 1, what="the retry dropped")
+
+    assert ran == []
+    assert result.state == states.PENDING
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("own_lease", ["free", "held"])
 def test_shadow_mode_runs_a_beat_dispatch_as_enforcement_would_and_records_what_it_refuses(
     app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, own_lease: str

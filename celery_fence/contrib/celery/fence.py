@@ -521,12 +521,12 @@ class Fence:
         )
         self.store.metrics.incr(f"shadow.{got.outcome}")
 
-    def _earlier_delivery(self, task: FencedTask, arguments: Mapping[str, Any]) -> int | None:
-        """The epoch of the task's lease an earlier delivery of this message took, when that is
-        the lease's latest epoch (held, expired or released)."""
+    def _earlier_delivery(self, task: FencedTask, name: str) -> int | None:
+        """The epoch of the task's lease ``name`` an earlier delivery of this message took, when
+        that is the lease's latest epoch (held, expired or released)."""
         if task.delivery_prefix() is None:
             return None
-        owner = self.store.owner(_fill(task.fence_lease, arguments, "lease"))
+        owner = self.store.owner(name)
         return (
             owner.epoch if owner is not None and task.owned_by_an_earlier_delivery(owner) else None
         )
@@ -574,7 +574,13 @@ class Fence:
             if done is not None:
                 return done
         else:
-            since = self._earlier_delivery(task, arguments)
+            name = _fill(task.fence_lease, arguments, "lease")
+            # The retry of a delivery that waited for an earlier one of its message, which has
+            # run to its end since: the work is done, whoever took the lease after it.
+            done = self._done_before(task, name, enforced, "owner")
+            if done is not None:
+                return done
+            since = self._earlier_delivery(task, name)
             if since is not None:
                 # An earlier delivery of this very message passed the check and took the task's
                 # lease, its latest epoch (its worker was lost, or the broker's visibility timeout
