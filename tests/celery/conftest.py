@@ -141,8 +141,14 @@ def app(celery_config: dict[str, Any], redis_url: str) -> Iterator[Celery]:
     app.conf.update(celery_config, broker_url=redis_url, worker_enable_remote_control=False)
     yield app
     with app.connection_for_write() as conn:
+        channel = conn.default_channel
         for queue in list(app.amqp.queues):
-            conn.default_channel.queue_delete(queue)
+            channel.queue_delete(queue)
+            # The queue's exchange (of the same name) keeps its bindings in keys of their own,
+            # which a delete from a channel that never bound it leaves behind.
+            channel.client.delete(
+                channel.keyprefix_queue % queue, channel.keyprefix_binding_permanent % queue
+            )
     app.close()
 
 
