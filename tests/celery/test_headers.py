@@ -23,7 +23,7 @@ from celery import Celery, chain, chord, group, states
 from celery.result import AsyncResult
 from sqlalchemy.engine import Engine
 
-from celery_fence import Lease, LeaseStore
+from celery_fence import Lease, LeaseHeldError, LeaseStore
 from celery_fence.contrib.celery import (
     HEADER,
     REJECTED,
@@ -224,6 +224,30 @@ def test_an_eager_or_direct_child_continues_its_parent_run(
         (1, "released"),
     ]
     assert store.stale_runs() == []
+
+
+def test_a_task_calling_itself_in_its_run_is_refused_whatever_its_policy(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Celery gives the inner call the outer run's request: it is refused, not retried (a retry
+    would end the outer run and send it again, each time)."""
+
+    @fence.task(lease="release:{environment}", on_busy="retry", bind=True)
+    def recurse(self: Any, environment: str, depth: int) -> Any:
+        if depth:
+            try:
+                recurse(environment, depth - 1)
+            except LeaseHeldError as exc:
+                return ["refused", exc.owner.epoch if exc.owner else None]
+        return ["ran", fence.current().epoch]
+
+    with worker():
+        result = recurse.apply_async(("prod", 1))
+        assert wait.finished(result) == states.SUCCESS
+
+    assert result.result == ["refused", 1]
+    assert fence.store.metrics.get("busy.wait") == 0
+    assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
 
 
 @pytest.mark.parametrize("kind", ["group", "chain", "chord", "starmap", "chunks"])

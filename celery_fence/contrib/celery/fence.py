@@ -847,6 +847,17 @@ class FencedTask(Task):  # type: ignore[misc]
             message = f"{self.name}: lease {name} is held by {who} until {until}"
         error_cls = {"paused": LeasePausedError, "busy": LeaseBusyError}.get(reason, LeaseHeldError)
         error = error_cls(message, lease_name=name, owner=owner, reason=reason)
+        holding = _current.get()
+        held = None if holding is None else holding.lease
+        if (
+            held is not None
+            and owner is not None
+            and (held.name, held.epoch) == (name, owner.epoch)
+        ):
+            # Called inside the very run that holds the lease (a task calling itself, which
+            # Celery gives that run's request): refused, whatever the policy; a retry would only
+            # end the run it was called in.
+            raise error
         if done:
             # That delivery did the work and stored its result under this same task id: this
             # one ends without a state, which would overwrite it.
