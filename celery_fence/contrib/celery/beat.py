@@ -34,7 +34,7 @@ from celery_fence.models import Lease
 from celery_fence.observe import log
 
 from .fence import Fence
-from .headers import HEADER, FenceHeader
+from .headers import HEADER, FenceHeader, published
 
 
 def slot_of(entry: ScheduleEntry, now: datetime) -> datetime:
@@ -268,8 +268,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         headers = dict(entry.options.get("headers") or {})
         # A publication id of its own: runs of two dispatches sent with one task id (an entry's
         # task_id option) are told apart, as a redelivery of each is told from the other.
-        header = FenceHeader.for_lease(lease, "join").to_message()
-        headers[HEADER] = {**header, "publication": uuid.uuid4().hex}
+        headers[HEADER] = published(FenceHeader.for_lease(lease, "join").to_message())
         entry.options["headers"] = headers
         return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 

@@ -7,7 +7,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from celery_fence.models import Acquisition, Lease, Owner
 from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
-from .headers import HEADER, FenceHeader, MalformedHeaderError, publication_of
+from .headers import HEADER, FenceHeader, MalformedHeaderError, publication_of, published
 from .settings import FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
@@ -178,8 +177,7 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
         if isinstance(inherited, Mapping) and inherited.get("mode") == "resume":
             value = inherited
     if value is not None:
-        # A new message: a publication id of its own, which its redeliveries keep.
-        headers[HEADER] = {**value, "publication": uuid.uuid4().hex}
+        headers[HEADER] = published(value)
 
 
 signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celery_fence.header")

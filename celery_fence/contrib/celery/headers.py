@@ -10,6 +10,7 @@ another message of the same task id (a retry).
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast, get_args
@@ -102,6 +103,12 @@ def _check_publication(value: object) -> str | None:
     if value is not None and (not isinstance(value, str) or not _PUBLICATION.fullmatch(value)):
         raise ConfigurationError("publication must be 32 lowercase hex digits")
     return value
+
+
+def published(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A header's fields (``message``) as a new message carries them: with a publication id of
+    its own, which its redeliveries keep."""
+    return {**message, "publication": uuid.uuid4().hex}
 
 
 def publication_of(value: object) -> str | None:
