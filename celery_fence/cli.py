@@ -263,7 +263,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     show_default=True,
     show_envvar=True,
     metavar="SECONDS",
-    help="How long acquire, renew, release, pause and resume wait behind fenced writers "
+    help="How long acquire, renew, release, pause and resume wait behind fenced writers, "
+    "and install for each lock its migrations take "
     f"(at most {validation.MAX_LOCK_TIMEOUT_SECONDS:g}).",
 )
 @click.option(
@@ -328,7 +329,7 @@ def _route_logs(ctx: click.Context, verbose: bool) -> None:
 def install(settings: Settings, print_only: bool) -> None:
     """Create or upgrade the schema (idempotent) and print its version."""
     if print_only:
-        click.echo(LeaseStore.install_script(), nl=False)
+        click.echo(LeaseStore.install_script(lock_timeout=settings.lock_timeout), nl=False)
         return
     version = settings.store().install()
     click.echo(f"celery-fence schema version {version}")

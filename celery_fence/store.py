@@ -478,22 +478,35 @@ class LeaseStore:
     # -- schema -----------------------------------------------------------------------------
 
     @staticmethod
-    def install_script() -> str:
-        """The SQL :meth:`install` runs, for review or for ``psql -f``."""
-        return _sql.install_script()
+    def install_script(*, lock_timeout: float = 2.0) -> str:
+        """The SQL :meth:`install` runs, between ``BEGIN`` and ``COMMIT``, for review or for
+        ``psql -f``: one transaction, whose locks each wait at most ``lock_timeout`` seconds."""
+        lock_timeout = validation.check_seconds(
+            lock_timeout, "lock_timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
+        )
+        return f"BEGIN;\n\n{_sql.install_script(lock_timeout)}\nCOMMIT;\n"
 
     def install(self) -> int:
-        """Create or upgrade the schema (idempotent); return the schema version."""
+        """Create or upgrade the schema (idempotent); return the schema version. Its locks each
+        wait at most ``lock_timeout``: past it (a migration's table is in use), nothing changes
+        and :class:`FenceDatabaseError` says so."""
         try:
             with self.engine.begin() as conn:
                 # Executed without parameters, so the script's '%' stay literal; through
                 # SQLAlchemy, so that a driver error is wrapped like any other.
                 conn.exec_driver_sql(
-                    _sql.install_script(), execution_options={"no_parameters": True}
+                    _sql.install_script(self.lock_timeout),
+                    execution_options={"no_parameters": True},
                 )
                 (row,) = self._run(_cursor(conn), "schema_version", {})
                 return int(row["version"])
         except (self._driver_errors, sa.exc.DBAPIError) as exc:
+            if _sqlstate(exc) == _LOCK_NOT_AVAILABLE:
+                raise FenceDatabaseError(
+                    "install changed nothing: a lock it needs was held past lock_timeout "
+                    f"({self.lock_timeout:g}s), by sessions using celery-fence's tables (an open "
+                    "fenced transaction, say); run it again"
+                ) from exc
             raise _wrap(exc) from exc
 
     def check_schema(self) -> int:

@@ -46,7 +46,8 @@ CREATE OR REPLACE FUNCTION celery_fence.answer_of(
 $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.check_name(p_name text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF p_name IS NULL OR length(p_name) NOT BETWEEN 1 AND 200 THEN
         RAISE EXCEPTION 'celery_fence: lease name must be 1 to 200 characters'
@@ -56,7 +57,8 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.check_length(p_value text, p_what text, p_max integer)
-RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
     IF p_value IS NULL OR length(p_value) NOT BETWEEN 1 AND p_max THEN
         RAISE EXCEPTION 'celery_fence: % must be 1 to % characters', p_what, p_max
@@ -67,7 +69,8 @@ $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
     p_name text, p_holder text, p_ttl interval, p_max_hold interval
-) RETURNS void LANGUAGE plpgsql IMMUTABLE AS $$
+) RETURNS void LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     -- Judged by the seconds they add to a time (span): compared as they are, intervals count a
     -- year as 360 days, and '1 year -359 days' would pass for one day.
@@ -95,7 +98,7 @@ $$;
 -- application derives from the same names with the default seed.
 CREATE OR REPLACE FUNCTION celery_fence.acquire_key(p_name text)
 RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
-    SELECT hashtextextended(p_name, 7161677110969590627)
+    SELECT pg_catalog.hashtextextended(p_name, 7161677110969590627)
 $$;
 
 -- The advisory lock key of a lease's fenced writers, seeded apart from acquire_key. Each writer
@@ -106,7 +109,7 @@ $$;
 -- it waiting: its wait is bounded by one lock_timeout however the writers' transactions overlap.
 CREATE OR REPLACE FUNCTION celery_fence.writers_key(p_name text)
 RETURNS bigint LANGUAGE sql IMMUTABLE STRICT AS $$
-    SELECT hashtextextended(p_name, 5807285632549173253)
+    SELECT pg_catalog.hashtextextended(p_name, 5807285632549173253)
 $$;
 
 -- A span as a number of seconds ('1 day' becomes '24:00:00'): added to a time, it then moves it by
@@ -114,14 +117,14 @@ $$;
 -- instead of to the same time on another calendar day.
 CREATE OR REPLACE FUNCTION celery_fence.span(p_span interval)
 RETURNS interval LANGUAGE sql IMMUTABLE AS $$
-    SELECT make_interval(secs => extract(epoch FROM p_span))
+    SELECT pg_catalog.make_interval(secs => extract(epoch FROM p_span))
 $$;
 
 -- A span as a timeout setting takes it: whole milliseconds rounded up, at least 1 (0 would mean
 -- "no timeout", also for a span already used up) and at most the settings' largest value.
 CREATE OR REPLACE FUNCTION celery_fence.timeout_ms(p_span interval)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT least(2147483647, greatest(1, ceil(extract(epoch FROM p_span) * 1000)))::bigint::text
+    SELECT least(2147483647, greatest(1, pg_catalog.ceil(extract(epoch FROM p_span) OPERATOR(pg_catalog.*) 1000)))::bigint::text
 $$;
 
 -- Sets lock_timeout for the rest of the transaction (or of the calling function, whose SET
@@ -130,11 +133,11 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(
     p_wait interval, p_since timestamptz DEFAULT NULL
 ) RETURNS text LANGUAGE sql VOLATILE AS $$
-    SELECT set_config(
+    SELECT pg_catalog.set_config(
         'lock_timeout',
         celery_fence.timeout_ms(
             coalesce(p_wait, interval '2 seconds')
-            - coalesce(clock_timestamp() - p_since, interval '0')
+            - coalesce(pg_catalog.clock_timestamp() - p_since, interval '0')
         ),
         true
     )
@@ -143,7 +146,8 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.record_stale_run(
     p_name text, p_epoch bigint, p_holder text, p_reason text, p_action text,
     p_environment text DEFAULT NULL, p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.stale_runs LANGUAGE plpgsql VOLATILE AS $$
+) RETURNS celery_fence.stale_runs LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_row celery_fence.leases;
     v_record celery_fence.stale_runs;
@@ -173,6 +177,7 @@ CREATE OR REPLACE FUNCTION celery_fence.acquire(
 ) RETURNS celery_fence.answer
 LANGUAGE plpgsql VOLATILE
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -287,6 +292,7 @@ CREATE OR REPLACE FUNCTION celery_fence.renew(
 -- As in acquire: the wait for the holder's row behind fenced writers is bounded
 -- (lock_not_available), so that one renewal cannot hold up the renewals queued after it.
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -337,6 +343,7 @@ CREATE OR REPLACE FUNCTION celery_fence.release(
 -- (lock_not_available), so that a transaction left open cannot hold up the end of a run; a
 -- release that gave up changed nothing, and the lease runs out at its expiry.
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -404,8 +411,11 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.idle_limit(p_expires_at timestamptz)
 RETURNS text LANGUAGE sql VOLATILE AS $$
     SELECT celery_fence.timeout_ms(least(
-        nullif(current_setting('idle_in_transaction_session_timeout')::interval, interval '0'),
-        p_expires_at - clock_timestamp()
+        nullif(
+            pg_catalog.current_setting('idle_in_transaction_session_timeout')::interval,
+            interval '0'
+        ),
+        p_expires_at - pg_catalog.clock_timestamp()
     ))
 $$;
 
@@ -413,7 +423,8 @@ $$;
 -- holds it. While the caller's transaction lasts, no acquisition can replace the lease.
 CREATE OR REPLACE FUNCTION celery_fence.check_fence(
     p_name text, p_epoch bigint, p_token uuid, p_now timestamptz DEFAULT NULL
-) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE AS $$
+) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
@@ -433,7 +444,8 @@ $$;
 -- statement: it is on the path of every fenced write).
 CREATE OR REPLACE FUNCTION celery_fence.fence(
     p_name text, p_epoch bigint, p_token uuid, p_now timestamptz DEFAULT NULL
-) RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+) RETURNS bigint LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_row celery_fence.leases;
     v_reason text;
@@ -465,7 +477,9 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.proof_message(
     p_name text, p_epoch bigint, p_holder text, p_mode text
 ) RETURNS bytea LANGUAGE sql STABLE AS $$
-    SELECT convert_to(concat_ws(E'\n', p_name, p_epoch::text, p_holder, p_mode), 'UTF8')
+    SELECT pg_catalog.convert_to(
+        pg_catalog.concat_ws(E'\n', p_name, p_epoch::text, p_holder, p_mode), 'UTF8'
+    )
 $$;
 
 -- A continuation (a task published from inside a fenced run) takes up the lease at the epoch it
@@ -487,6 +501,7 @@ CREATE OR REPLACE FUNCTION celery_fence.rejoin(
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in acquire: a resume waits for the lease's key and row at most this long (lock_not_available).
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -585,6 +600,7 @@ CREATE OR REPLACE FUNCTION celery_fence.pause(
     p_now timestamptz DEFAULT NULL, p_lock_timeout interval DEFAULT interval '2 seconds'
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -626,6 +642,7 @@ CREATE OR REPLACE FUNCTION celery_fence.resume(
     p_lock_timeout interval DEFAULT interval '2 seconds'
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 SET lock_timeout = '2s'
+SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_row celery_fence.leases;
@@ -660,7 +677,8 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION celery_fence.owner(p_name text, p_now timestamptz DEFAULT NULL)
-RETURNS celery_fence.answer LANGUAGE plpgsql STABLE AS $$
+RETURNS celery_fence.answer LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
@@ -681,7 +699,7 @@ RETURNS SETOF celery_fence.lease_history LANGUAGE sql STABLE AS $$
     SELECT l.name, l.epoch, l.environment, l.holder, l.purpose, l.acquired_at,
            CASE WHEN l.expires_at <= c.now THEN l.expires_at END,
            CASE WHEN l.expires_at <= c.now THEN 'expired' END
-    FROM celery_fence.leases l, (SELECT coalesce(p_now, clock_timestamp()) AS now) c
+    FROM celery_fence.leases l, (SELECT coalesce(p_now, pg_catalog.clock_timestamp()) AS now) c
     WHERE l.name = p_name AND l.epoch > 0 AND l.released_at IS NULL
     UNION ALL
     SELECT h.* FROM celery_fence.lease_history h WHERE h.name = p_name
@@ -689,7 +707,8 @@ $$;
 
 -- HMAC-SHA256 (RFC 2104) on the built-in sha256(), so that any client can check a header proof.
 CREATE OR REPLACE FUNCTION celery_fence.hmac_sha256(p_key bytea, p_message bytea)
-RETURNS bytea LANGUAGE plpgsql IMMUTABLE STRICT AS $$
+RETURNS bytea LANGUAGE plpgsql IMMUTABLE STRICT
+SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_key bytea := p_key;
     v_inner bytea;

@@ -2,26 +2,26 @@
 
 -- name: acquire
 SELECT * FROM celery_fence.acquire(
-    :name, :environment, :holder, make_interval(secs => :ttl),
-    make_interval(secs => :max_hold), :purpose, make_interval(secs => :lock_timeout), :now
+    :name, :environment, :holder, pg_catalog.make_interval(secs => :ttl),
+    pg_catalog.make_interval(secs => :max_hold), :purpose, pg_catalog.make_interval(secs => :lock_timeout), :now
 )
 
 -- name: renew
 SELECT * FROM celery_fence.renew(
-    :name, :epoch, :token, make_interval(secs => :ttl), :holder, :enforced, :now,
-    make_interval(secs => :lock_timeout), :environment
+    :name, :epoch, :token, pg_catalog.make_interval(secs => :ttl), :holder, :enforced, :now,
+    pg_catalog.make_interval(secs => :lock_timeout), :environment
 )
 
 -- name: release
 SELECT * FROM celery_fence.release(
-    :name, :epoch, :token, :holder, :enforced, :now, make_interval(secs => :lock_timeout),
+    :name, :epoch, :token, :holder, :enforced, :now, pg_catalog.make_interval(secs => :lock_timeout),
     :environment
 )
 
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(
-    :name, :epoch, :holder, :mode, :proof, make_interval(secs => :ttl), :action, :enforced, :now,
-    make_interval(secs => :lock_timeout), :environment, :successor, :delivery_prefix
+    :name, :epoch, :holder, :mode, :proof, pg_catalog.make_interval(secs => :ttl), :action, :enforced, :now,
+    pg_catalog.make_interval(secs => :lock_timeout), :environment, :successor, :delivery_prefix
 )
 
 -- name: fence
@@ -32,14 +32,14 @@ SELECT * FROM celery_fence.rejoin(
 -- which raises and so aborts the transaction.
 SELECT CASE
     WHEN celery_fence.stale_reason(
-        f.l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+        f.l, :epoch, :token, coalesce(CAST(:now AS timestamptz), pg_catalog.clock_timestamp())
     ) IS NOT NULL THEN celery_fence.fence(:name, :epoch, :token, :now)::text
-    WHEN CAST(:now AS timestamptz) IS NULL THEN set_config(
+    WHEN CAST(:now AS timestamptz) IS NULL THEN pg_catalog.set_config(
         'idle_in_transaction_session_timeout', celery_fence.idle_limit((f.l).expires_at), true
     )
 END AS fenced
 FROM (
-    SELECT pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued OFFSET 0
+    SELECT pg_catalog.pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued OFFSET 0
 ) AS w
 LEFT JOIN LATERAL (
     SELECT l FROM celery_fence.leases l WHERE l.name = :name AND w.queued = 1 FOR SHARE
@@ -54,7 +54,7 @@ SELECT * FROM celery_fence.check_fence(:name, :epoch, :token, :now)
 -- transaction holds the lease's writers' key, must not queue for that key behind a call that
 -- waits for the caller.
 SELECT celery_fence.stale_reason(
-    l, :epoch, :token, coalesce(CAST(:now AS timestamptz), clock_timestamp())
+    l, :epoch, :token, coalesce(CAST(:now AS timestamptz), pg_catalog.clock_timestamp())
 ) AS reason
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN celery_fence.leases l ON l.name = :name
@@ -66,11 +66,11 @@ SELECT * FROM celery_fence.record_stale_run(
 
 -- name: pause
 SELECT * FROM celery_fence.pause(
-    :name, :reason, :by, :environment, :now, make_interval(secs => :lock_timeout)
+    :name, :reason, :by, :environment, :now, pg_catalog.make_interval(secs => :lock_timeout)
 )
 
 -- name: resume
-SELECT * FROM celery_fence.resume(:name, :now, make_interval(secs => :lock_timeout))
+SELECT * FROM celery_fence.resume(:name, :now, pg_catalog.make_interval(secs => :lock_timeout))
 
 -- name: owner
 SELECT * FROM celery_fence.owner(:name, :now)
@@ -79,7 +79,7 @@ SELECT * FROM celery_fence.owner(:name, :now)
 -- The clock is read once, in a subquery of its own, so that answer_of() is inlined (see there).
 SELECT (celery_fence.answer_of('read', NULL, l, false, t.now)).*
 FROM celery_fence.leases l
-CROSS JOIN (SELECT coalesce(CAST(:now AS timestamptz), clock_timestamp()) AS now) t
+CROSS JOIN (SELECT coalesce(CAST(:now AS timestamptz), pg_catalog.clock_timestamp()) AS now) t
 WHERE CAST(:environment AS text) IS NULL OR l.environment = :environment
 ORDER BY l.name
 
@@ -99,18 +99,18 @@ LIMIT :limit
 SELECT EXISTS (
     SELECT 1 FROM celery_fence.lease_history h
     WHERE h.name = :name AND h.epoch >= :epoch AND h.end_reason = 'released'
-      AND starts_with(h.holder, :prefix)
+      AND pg_catalog.starts_with(h.holder, :prefix)
 ) AS released
 
 -- name: schema_version
-SELECT max(version) AS version FROM celery_fence.migrations
+SELECT pg_catalog.max(version) AS version FROM celery_fence.migrations
 
 -- name: claim_slot
 INSERT INTO celery_fence.dispatches AS d (
     schedule, entry, slot, task, epoch, holder, dispatched_at
 ) VALUES (
     :schedule, :entry, :slot, :task, :epoch, :holder,
-    coalesce(CAST(:now AS timestamptz), clock_timestamp())
+    coalesce(CAST(:now AS timestamptz), pg_catalog.clock_timestamp())
 )
 ON CONFLICT (schedule, entry, slot) DO NOTHING
 RETURNING d.epoch

@@ -100,7 +100,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
 }
 #: Pages whose examples a dedicated test runs, and the test.
 DELEGATED = {"reference/cli.md": "tests/test_cli.py"}
-KNOWN_MARKERS = re.compile(r"^(run|run: background|file: [\w./-]+|grants: (superuser|owner))$")
+KNOWN_MARKERS = re.compile(
+    r"^(run|run: background|file: [\w./-]+|grants: (superuser|owner|reader))$"
+)
 COMMAND_TIMEOUT = 120.0
 STOP_TIMEOUT = 30.0
 _END_OF_BLOCK = "-- end of block --"

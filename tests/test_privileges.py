@@ -23,7 +23,7 @@ from celery_fence.cli import main
 from celery_fence.store import proof
 
 PAGE = DOCS / "how-to" / "least-privilege.md"
-OWNER, RUNTIME = "celery_fence_owner", "celery_fence_app"
+OWNER, RUNTIME, READER = "celery_fence_owner", "celery_fence_app", "celery_fence_reader"
 _GRANT = re.compile(r"^GRANT (?P<privileges>.+?) ON (?P<object>.+?) TO (?P<role>\w+);$")
 
 
@@ -68,9 +68,16 @@ def roles(empty_database_url: str) -> Iterator[Roles]:
     else), created in the test's empty database and dropped after the test."""
     suffix = f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
     url = make_url(empty_database_url)
-    names = {OWNER: f"cf_owner_{suffix}", RUNTIME: f"cf_app_{suffix}", "nobody": f"cf_no_{suffix}"}
+    names = {
+        OWNER: f"cf_owner_{suffix}",
+        RUNTIME: f"cf_app_{suffix}",
+        READER: f"cf_ro_{suffix}",
+        "nobody": f"cf_no_{suffix}",
+    }
     made = Roles(names=names, database=str(url.database), url=url)
-    made.run_as(None, grants("superuser") + "CREATE ROLE nobody LOGIN;")
+    made.run_as(
+        None, grants("superuser") + f"CREATE ROLE {READER} LOGIN; CREATE ROLE nobody LOGIN;"
+    )
     try:
         yield made
     finally:
@@ -190,6 +197,24 @@ def test_every_grant_of_the_page_is_needed(
     exercise(store, "job:all-granted")
 
 
+def test_a_reader_reads_history_stale_runs_and_dispatches_but_no_token(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    exercise(store_as(installed.url_for(RUNTIME)), "release:prod")
+    installed.run_as(OWNER, grants("reader"))
+    reader = store_as(installed.url_for(READER))
+    assert [entry.end_reason for entry in reader.history("release:prod")] == ["released"]
+    assert [run.reason for run in reader.stale_runs()] == ["released"]
+    assert [d.entry for d in reader.dispatches("release:prod")] == ["plan"]
+    for command in (["history", "release:prod"], ["stale-runs"]):
+        result = CliRunner().invoke(main, ["--database-url", installed.url_for(READER), *command])
+        assert result.exit_code == 0, result.output
+    with pytest.raises(sa.exc.ProgrammingError, match="permission denied for table leases"):
+        installed.run_as(READER, "SELECT token FROM celery_fence.leases;")
+    with pytest.raises(FenceDatabaseError, match="permission denied"):
+        reader.leases()
+
+
 def test_a_role_without_the_grants_is_refused(
     installed: Roles, store_as: Callable[[str], LeaseStore]
 ) -> None:
@@ -198,3 +223,48 @@ def test_a_role_without_the_grants_is_refused(
         store.acquire("release:prod", holder="intruder", ttl=30)
     with pytest.raises(FenceDatabaseError, match="permission denied"):
         store.stale_runs()
+
+
+#: What a role may create where any role may create objects in ``public`` (PostgreSQL 14 and
+#: older): a closer match than PostgreSQL's own for a function and an operator the protocol
+#: uses (``make_interval(secs double precision)``, ``numeric * numeric``), each leaving a trace.
+HIJACKS = """
+CREATE TABLE public.hijacked (what text);
+GRANT SELECT, INSERT ON public.hijacked TO PUBLIC;
+CREATE FUNCTION public.make_interval(secs numeric) RETURNS interval LANGUAGE sql
+    AS $$ INSERT INTO public.hijacked VALUES ('make_interval') RETURNING interval '1 day' $$;
+CREATE FUNCTION public.times(numeric, integer) RETURNS numeric LANGUAGE sql
+    AS $$ INSERT INTO public.hijacked VALUES ('*') RETURNING 1::numeric $$;
+CREATE OPERATOR public.* (LEFTARG = numeric, RIGHTARG = integer, FUNCTION = public.times);
+"""
+
+
+def test_what_another_role_puts_on_the_search_path_is_not_called(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    installed.run_as(None, "GRANT CREATE ON SCHEMA public TO nobody;")
+    installed.run_as("nobody", HIJACKS)
+    engine = sa.create_engine(installed.url, poolclass=sa.NullPool)
+
+    def hijacked() -> list[str]:
+        with engine.begin() as conn:
+            return list(
+                conn.exec_driver_sql("DELETE FROM public.hijacked RETURNING what").scalars()
+            )
+
+    try:
+        # Names left to a search path with public on it (every role's default) find them.
+        installed.run_as(RUNTIME, "SELECT make_interval(secs => 1.5), 1.5 * 2;")
+        assert sorted(hijacked()) == ["*", "make_interval"]
+
+        result = CliRunner().invoke(main, ["--database-url", installed.url_for(OWNER), "install"])
+        assert result.exit_code == 0, result.output
+        exercise(store_as(installed.url_for(RUNTIME)), "release:prod")
+        installed.run_as(
+            RUNTIME,
+            "SELECT celery_fence.acquire('psql:job', 'prod', 'dba', interval '30 seconds');"
+            "SELECT celery_fence.check_arguments('psql:job', 'dba', interval '1 s', NULL);",
+        )
+        assert hijacked() == []
+    finally:
+        engine.dispose()

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import zipfile
 from collections.abc import Callable, Iterator
@@ -481,6 +482,41 @@ def test_upgrading_leaves_exactly_the_functions_of_the_current_version(
 # -- the printed script is what install runs -----------------------------------------------------
 
 
+def test_an_install_kept_waiting_for_a_lock_changes_nothing_and_says_so(
+    empty_database_url: str,
+) -> None:
+    """A migration that must lock a table in use gives up after the lock timeout, instead of
+    queueing every protocol call behind it; run again once the table is free, it applies."""
+    install(empty_database_url)
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    last = _sql.migrations()[-1]
+    try:
+        with engine.begin() as conn:  # as the schema was before its last migration
+            conn.execute(
+                sa.text("DELETE FROM celery_fence.migrations WHERE version = :version"),
+                {"version": last.version},
+            )
+            conn.exec_driver_sql("DROP INDEX celery_fence.stale_runs_lease_idx")
+        store = LeaseStore.from_url(empty_database_url, lock_timeout=0.3)
+        with engine.begin() as conn:
+            # A transaction recording a stale run, still open: the new index must wait for it.
+            conn.exec_driver_sql("LOCK TABLE celery_fence.stale_runs IN ROW EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(FenceDatabaseError, match=r"install changed nothing.*\(0.3s\)"):
+                store.install()
+            assert time.monotonic() - started < 5
+        assert last.version not in [
+            version for version, _ in migrations_applied(empty_database_url)
+        ]
+        assert store.install() == last.version
+        store.engine.dispose()
+    finally:
+        engine.dispose()
+    assert migrations_applied(empty_database_url) == expected_migrations()
+
+
 def test_install_runs_exactly_the_printed_script(empty_database_url: str) -> None:
     executed: list[str] = []
 
@@ -496,11 +532,12 @@ def test_install_runs_exactly_the_printed_script(empty_database_url: str) -> Non
         dbapi_connection.cursor_factory = Recording
 
     try:
-        LeaseStore(engine).install()
+        LeaseStore(engine, lock_timeout=1.1).install()
     finally:
         engine.dispose()
-    script = LeaseStore.install_script()
-    assert executed.count(script) == 1
+    (script,) = [query for query in executed if "celery-fence install script" in query]
+    assert LeaseStore.install_script(lock_timeout=1.1) == f"BEGIN;\n\n{script}\nCOMMIT;\n"
+    assert "SET LOCAL lock_timeout = '1100ms';" in script
     for migration in _sql.migrations():
         assert migration.sql.strip() in script
     assert _sql.read("functions.sql").strip() in script
