@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from celery_fence.models import Owner
+from celery_fence.models import Owner
 
 
 class FenceError(Exception):
@@ -30,26 +30,48 @@ class LeaseError(FenceError):
 
     ``lease_name`` names the lease, ``epoch`` is the epoch the caller held or claimed (``None``
     when it never held one) and ``owner`` is the current owner's safe metadata (never a token).
+
+    The error's ``args`` are its message and these fields as plain values (the owner's times as
+    ISO 8601 strings), from which it is built again whole: a result backend that stores an error
+    by its class and ``args`` (Celery's, with the JSON serializer) gives the caller the same
+    error back, not only its message.
     """
 
     def __init__(
         self,
         message: str,
+        fields: Mapping[str, Any] | None = None,
         *,
         lease_name: str = "",
         epoch: int | None = None,
         owner: Owner | None = None,
         reason: str | None = None,
     ) -> None:
-        super().__init__(message)
+        if isinstance(fields, Mapping):
+            lease_name = str(fields.get("lease_name") or "")
+            epoch = fields.get("epoch")
+            reason = fields.get("reason")
+            owner = _owner_of(fields.get("owner"))
         self.lease_name = lease_name
         self.epoch = epoch
         self.owner = owner
         self.reason = reason
+        super().__init__(
+            message,
+            {
+                "lease_name": lease_name,
+                "epoch": epoch,
+                "reason": reason,
+                "owner": None if owner is None else owner.to_fields(),
+            },
+        )
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Celery pickles a task's error before reporting it; without this the keyword-only
-        # fields make unpickling fail and Celery falls back to a bare FenceError.
+        # Pickled as earlier versions pickled it (the message, and the fields by keyword), so
+        # that a process of either version can load an error the other pickled.
         rebuild = partial(
             type(self),
             lease_name=self.lease_name,
@@ -57,7 +79,20 @@ class LeaseError(FenceError):
             owner=self.owner,
             reason=self.reason,
         )
-        return rebuild, self.args
+        return rebuild, self.args[:1]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.args[0]!r})"
+
+
+def _owner_of(fields: object) -> Owner | None:
+    """The owner ``fields`` describe, if they do (see :meth:`Owner.from_fields`)."""
+    if not isinstance(fields, Mapping):
+        return None
+    try:
+        return Owner.from_fields(fields)
+    except (TypeError, ValueError):
+        return None
 
 
 class LeaseHeldError(LeaseError):

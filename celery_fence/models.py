@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 from uuid import UUID
 
 Outcome = Literal["acquired", "held", "busy", "paused", "joined", "resumed"]
@@ -35,6 +38,30 @@ class Owner:
     @property
     def held(self) -> bool:
         return self.state == "held"
+
+    def to_fields(self) -> dict[str, Any]:
+        """The owner as plain values, its times as ISO 8601 strings: what any serializer keeps."""
+        return {
+            key: value.isoformat() if isinstance(value, datetime) else value
+            for key, value in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> Owner:
+        """The owner :meth:`to_fields` gave ``fields`` for. Raises ``TypeError`` or
+        ``ValueError`` for anything else."""
+        values = dict(fields)
+        for key in _OWNER_TIMES:
+            if isinstance(values.get(key), str):
+                values[key] = datetime.fromisoformat(values[key])
+        return cls(**values)
+
+
+_OWNER_TIMES = tuple(
+    name
+    for name, hint in typing.get_type_hints(Owner).items()
+    if hint is datetime or datetime in typing.get_args(hint)
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import multiprocessing
 import os
+import pickle
 import socket
 import threading
 import time
@@ -1245,3 +1247,31 @@ def test_a_server_that_accepts_but_never_answers_fails_the_call_in_seconds(
         store.dispose()
     assert len(answers) == 1, "the call was still waiting for the server after 15 s"
     assert isinstance(answers[0], FenceDatabaseError)
+
+
+def test_a_lease_error_is_rebuilt_whole_from_its_args_and_from_a_pickle(
+    store: LeaseStore,
+) -> None:
+    """Celery pickles a task's error from a prefork child to its parent, and its JSON result
+    backend stores the error's class and args: either way the caller gets the owner back."""
+    held = store.acquire(NAME, holder="deploy-1", ttl=30).lease
+    assert held is not None
+    owner = store.pause(NAME, reason="freeze", by="ops")
+    assert owner.paused_at is not None  # every kind of field: times, optional times, text
+    error = LeasePausedError("paused", lease_name=NAME, epoch=held.epoch, owner=owner)
+    copies = [
+        pickle.loads(pickle.dumps(error)),
+        LeasePausedError(*json.loads(json.dumps(error.args))),
+    ]
+    for copy in copies:
+        assert (type(copy), str(copy), repr(copy)) == (
+            LeasePausedError,
+            "paused",
+            "LeasePausedError('paused')",
+        )
+        assert (copy.lease_name, copy.epoch, copy.reason, copy.owner) == (
+            NAME,
+            held.epoch,
+            None,
+            owner,
+        )

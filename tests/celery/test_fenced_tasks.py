@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Callable
@@ -323,26 +324,57 @@ def test_templates_are_filled_from_args_kwargs_and_defaults(
     }
 
 
-def test_template_naming_a_missing_argument_fails_clearly_and_writes_nothing(
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"lease": "release:{region}"}, "names 'region', which is not a parameter of"),
+        ({"environment": "{env}"}, "the environment template '{env}' names 'env'"),
+        ({"purpose": "release {build.id}"}, "the purpose template 'release {build.id}' names"),
+        ({"lease": "release:{0}"}, "must name the task's parameters"),
+        ({"lease": "release:{}"}, "must name the task's parameters"),
+        ({"lease": "release:{environment"}, "is malformed"),
+        ({"lease": "release:{environment:>{width}}"}, "names 'width', which is not a parameter"),
+        ({"purpose": None}, "the purpose template must be a string, got None"),
+        ({"lease": "release:{self}", "bind": True}, "names 'self', which is not a parameter"),
+    ],
+)
+def test_a_template_naming_no_parameter_fails_at_declaration(
+    fence: Fence, options: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(error)):
+
+        @fence.task(**{"lease": "release:{environment}", **options})
+        def publish(self_or_environment: Any, environment: str = "prod") -> None:
+            pass
+
+
+def test_keyword_arguments_are_one_parameter_whose_missing_items_fail_the_run(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
+    """``**options`` is filled as the one parameter it is: ``{options[region]}``, not
+    ``{region}`` (refused at declaration); a call without that item fails, writing nothing."""
     ran = threading.Event()
+    with pytest.raises(ConfigurationError, match="names 'region', which is not a parameter"):
 
-    @fence.task(lease="release:{region}")
-    def publish(environment: str) -> None:
+        @fence.task(lease="release:{region}")
+        def refused(**options: str) -> None:
+            pass
+
+    @fence.task(lease="release:{options[region]}")
+    def publish(**options: str) -> None:
         ran.set()
 
-    with pytest.raises(ConfigurationError, match=r"lease template 'release:\{region\}'"):
-        publish("prod")
+    with pytest.raises(ConfigurationError, match=r"lease template 'release:\{options\[region\]\}'"):
+        publish(environment="prod")
     with worker():
-        result = publish.delay("prod")
+        result = publish.delay(environment="prod")
         assert wait.finished(result) == states.FAILURE
+        assert wait.finished(publish.delay(region="eu")) == states.SUCCESS
 
     assert isinstance(result.result, Exception)
-    assert "cannot fill the lease template 'release:{region}'" in str(result.result)
+    assert "cannot fill the lease template 'release:{options[region]}'" in str(result.result)
     assert "region" in str(result.result)
-    assert not ran.is_set()
-    assert store.leases() == []
+    assert [lease.name for lease in store.leases()] == ["release:eu"]
     assert store.stale_runs() == []
 
 
@@ -760,6 +792,41 @@ def test_a_chord_whose_parts_are_refused_fails_instead_of_waiting_forever(
     assert fence.store.metrics.get("busy.skip") == 2
 
 
+def test_the_links_of_a_chain_after_a_skipped_task_end_skipped_too(
+    app: Celery,
+    probe: Callable[..., Probe],
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+) -> None:
+    """They never run; the chain's result, its last link, says why, as after a failure."""
+    publish = probe(on_busy="skip")
+    ran: list[object] = []
+
+    @app.task(shared=False)
+    def then(value: object) -> None:
+        ran.append(value)
+
+    epoch = hold(store, NAME)
+    with worker():
+        result = chain(publish.task.si("prod"), then.s(), then.s()).delay()
+        assert wait.finished(result) == SKIPPED
+        links = [result.parent.parent, result.parent, result]
+        assert [wait.finished(link) for link in links] == [SKIPPED] * 3
+        # A chord in the chain: the chain's result is its body's.
+        into_chord = chain(
+            publish.task.si("prod"), chord([then.si(1), then.si(2)], then.s())
+        ).delay()
+        assert wait.finished(into_chord) == SKIPPED
+
+    assert {link.info["owner_epoch"] for link in links} == {epoch}
+    assert result.info == links[0].info
+    assert into_chord.info == links[0].info
+    assert (result.info["lease"], result.info["reason"]) == (NAME, "held")
+    assert ran == []
+    assert not publish.ran.is_set()
+
+
 @pytest.mark.parametrize(
     ("policy", "refusals", "busy_retries"),
     [
@@ -804,9 +871,17 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
         HOLDER,
         epoch,
     )
-    # The JSON result backend rebuilds the error's class from its name and message.
-    assert isinstance(result.result, LeaseHeldError)
-    assert f"held by {HOLDER} (epoch {epoch})" in str(result.result)
+    # Through the JSON result backend the caller gets the same error, its fields included.
+    caller = result.result
+    assert type(caller) is type(error)
+    assert (caller.lease_name, caller.reason, caller.epoch, caller.owner) == (
+        error.lease_name,
+        error.reason,
+        error.epoch,
+        error.owner,
+    )
+    assert str(caller) == str(error)
+    assert f"held by {HOLDER} (epoch {epoch})" in str(caller)
     assert fence.store.metrics.get(f"busy.{policy}") == refusals
     assert not publish.ran.is_set()
 

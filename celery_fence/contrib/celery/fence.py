@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import socket
+import string
 import threading
 import time
 import weakref
@@ -17,6 +19,7 @@ from functools import cached_property
 from typing import Any, Literal, NoReturn
 
 from celery import Celery, Task, bootsteps, current_task, signals
+from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_fence import validation
@@ -328,9 +331,15 @@ class Fence:
         # Without base=, the app's own task class (its task_cls, such as Django's DjangoTask),
         # as Celery would use.
         base = _fenced_base(options.pop("base", None) or self.app.Task)
-        decorator: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
+        declare: Callable[[Callable[..., Any]], FencedTask] = self.app.task(
             base=base, **attributes, **options
         )
+        templates = {"lease": lease, "environment": environment or "", "purpose": purpose}
+
+        def decorator(function: Callable[..., Any]) -> FencedTask:
+            _check_templates(templates, function, bound=bool(options.get("bind")))
+            return declare(function)
+
         return decorator
 
     # -- inside a run -----------------------------------------------------------------------
@@ -943,18 +952,29 @@ class FencedTask(Task):  # type: ignore[misc]
             self.backend.mark_as_failure(self.request.id, error, request=self.request)
             raise Ignore(str(error))
         owner = error.owner
-        self.update_state(
-            state=state,
-            meta={
-                "lease": error.lease_name,
-                "reason": error.reason,
-                "message": str(error),
-                "epoch": error.epoch,
-                "owner_holder": owner.holder if owner else None,
-                "owner_epoch": owner.epoch if owner else None,
-                "owner_expires_at": owner.expires_at.isoformat() if owner else None,
-            },
-        )
+        meta = {
+            "lease": error.lease_name,
+            "reason": error.reason,
+            "message": str(error),
+            "epoch": error.epoch,
+            "owner_holder": owner.holder if owner else None,
+            "owner_epoch": owner.epoch if owner else None,
+            "owner_expires_at": owner.expires_at.isoformat() if owner else None,
+        }
+        self.update_state(state=state, meta=meta)
+        # The links of a chain after this task never run: each ends as this one did, as Celery
+        # ends them after a failure, so that the chain's result (its last link) says why. A
+        # chord's result is its body's, which its own chain, if any, follows.
+        links = list(self.request.chain or ())
+        while links:
+            link = Context(links.pop())
+            link.update(link.options)
+            link.id = link.options.get("task_id")
+            link.group = link.options.get("group_id")
+            if link.id is not None:
+                self.backend.store_result(link.id, meta, state, request=link)
+            if link.subtask_type == "chord" and (link.kwargs or {}).get("body") is not None:
+                links.insert(0, link.kwargs["body"])
         raise Ignore(str(error))
 
 
@@ -986,6 +1006,47 @@ def _fenced_base(base: object) -> type[FencedTask]:
     # Named after both, and placed here: the app's task class is named Task, in celery.app.task.
     name = f"FencedTask[{base.__module__}.{base.__qualname__}]"
     return type(name, (FencedTask, base), {"__module__": __name__, "__qualname__": name})
+
+
+def _check_templates(
+    templates: Mapping[str, str], function: Callable[..., Any], *, bound: bool
+) -> None:
+    """Refuse, at declaration, a template field that names no parameter of the task's body
+    (its first, the task itself, left out under ``bind=True``): every run would fail. A
+    ``**kwargs`` parameter is one name too (``{kwargs[region]}``). What an argument holds (its
+    items and attributes) is known only when the run fills it."""
+    parameters = list(inspect.signature(function).parameters)[1 if bound else 0 :]
+    for what, template in templates.items():
+        if not isinstance(template, str):
+            raise ConfigurationError(f"the {what} template must be a string, got {template!r}")
+        try:
+            fields = _template_fields(template)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"the {what} template {template!r} is malformed: {exc}"
+            ) from exc
+        for field in fields:
+            name = re.split(r"[.\[]", field, maxsplit=1)[0]
+            if not name or name.isdigit():
+                raise ConfigurationError(
+                    f"the {what} template {template!r} must name the task's parameters "
+                    f"(`{{environment}}`), not their positions"
+                )
+            if name not in parameters:
+                raise ConfigurationError(
+                    f"the {what} template {template!r} names {name!r}, which is not a "
+                    f"parameter of {function.__qualname__} ({', '.join(parameters) or 'none'})"
+                )
+
+
+def _template_fields(template: str) -> list[str]:
+    """The fields of a format string, those nested in its format specs included."""
+    fields = []
+    for _, field, spec, _ in string.Formatter().parse(template):
+        if field is not None:
+            fields.append(field)
+            fields.extend(_template_fields(spec or ""))
+    return fields
 
 
 def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
