@@ -92,6 +92,10 @@ class LostLease(CommandError):
     exit_code = ExitCode.LOST
 
 
+#: The libpq connection parameters an error message must not show.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
 @dataclasses.dataclass
 class Settings:
     """The global options; the store is made on first use, so ``install --print`` and
@@ -120,8 +124,13 @@ class Settings:
         return self._store
 
     def where(self) -> str:
-        """The database URL with its password hidden, for error messages."""
-        return make_url(self.url()).render_as_string(hide_password=True)
+        """The database URL with its passwords hidden (its own, and libpq's ``password`` and
+        ``sslpassword`` parameters), for error messages."""
+        url = make_url(self.url())
+        secrets = sorted(key for key in url.query if key.lower() in _SECRET_PARAMETERS)
+        shown = url.difference_update_query(secrets).render_as_string(hide_password=True)
+        hidden = "&".join(f"{key}=***" for key in secrets)
+        return f"{shown}{'&' if '?' in shown else '?'}{hidden}" if secrets else shown
 
     def close(self) -> None:
         if self._store is not None:

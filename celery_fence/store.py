@@ -643,7 +643,7 @@ class LeaseStore:
             raise error
         self.metrics.incr(f"{call}.busy")
         log.info(
-            "lease %s busy: %s waited past lock_timeout behind fenced writers",
+            "lease %s busy: %s waited past lock_timeout for a lock on the lease",
             name,
             call,
             extra={"lease": name},
@@ -722,7 +722,7 @@ class LeaseStore:
         except FenceDatabaseError as exc:
             self._check_busy(params["name"], exc, call)
             raise FenceDatabaseError(
-                f"{not_done}: fenced writers kept its row locked past lock_timeout "
+                f"{not_done}: the lease stayed locked past lock_timeout "
                 f"({self.lock_timeout:g}s); it is unchanged"
             ) from exc.__cause__
 
@@ -863,13 +863,20 @@ class LeaseStore:
         except self._driver_errors as exc:
             reason = self._fence_failure(exc, params)
             if reason is None:
-                if _sqlstate(exc) in (_SERIALIZATION_FAILURE, _STALE_EPOCH):
+                state = _sqlstate(exc)
+                if state in (_SERIALIZATION_FAILURE, _STALE_EPOCH):
+                    # A lease the transaction finds missing (_STALE_EPOCH) may also be one in
+                    # another database.
                     raise FenceDatabaseError(
                         f"fenced write {action!r}: lease {lease.name} was acquired or renewed "
                         "after this transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it "
                         "is still held: retry the transaction"
+                        + (self._elsewhere(cursor) if state == _STALE_EPOCH else "")
                     ) from exc
-                raise _wrap(exc) from exc
+                error = _wrap(exc)
+                if isinstance(error, SchemaNotInstalledError):
+                    error = SchemaNotInstalledError(f"{error}{self._elsewhere(cursor)}")
+                raise error from exc
             owner = self.owner(lease.name)
             self._record_rejection(lease, reason, action, True)
             raise StaleEpochError(
@@ -881,6 +888,19 @@ class LeaseStore:
                 reason=reason,
             ) from exc
         self.metrics.incr("guard.committed")
+
+    def _elsewhere(self, cursor: Any) -> str:
+        """For a fence check that found no lease or no schema: the database names the guard's
+        connection and the store's were given, when they differ (the check may then have run in
+        another database than the leases'; a pooler's alias may also name the same one)."""
+        theirs = cursor.connection.info.dbname
+        ours = self.engine.url.database
+        if not ours or theirs == ours:
+            return ""
+        return (
+            f" (the guard's connection names database {theirs!r}, the store's {ours!r}: fenced "
+            "writes must run in the database that holds the leases)"
+        )
 
     def _shadow_check(self, cursor: Any, params: Mapping[str, Any]) -> str | None:
         """Why a shadow-mode write's lease is stale, or ``None`` while it holds. The check runs

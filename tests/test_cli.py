@@ -133,6 +133,19 @@ def test_unreachable_database_names_host_and_port_but_not_the_password() -> None
         assert "s3cret" not in result.stderr
 
 
+def test_passwords_given_as_url_parameters_are_hidden_too() -> None:
+    url = "postgresql://postgres@127.0.0.1:1/none?sslpassword=k3y&connect_timeout=2&password=s3cret"
+    result = cli(url, "status")
+    assert_error(
+        result,
+        ExitCode.ERROR,
+        "[database postgresql://postgres@127.0.0.1:1/none?connect_timeout=2&password=***"
+        "&sslpassword=***]",
+    )
+    assert "s3cret" not in result.stderr
+    assert "k3y" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [

@@ -655,6 +655,36 @@ def test_only_a_missing_celery_fence_object_says_to_install(engine: Engine, case
     assert ("celery-fence install" in str(error)) is of_the_schema
 
 
+@pytest.mark.parametrize(
+    ("schema", "error"),
+    [("missing", SchemaNotInstalledError), ("installed", FenceDatabaseError)],
+)
+def test_a_guard_on_another_database_names_both(
+    store: LeaseStore, empty_database_url: str, schema: str, error: type[Exception]
+) -> None:
+    """The check finds no schema, or no lease, where the store's own connection finds one held:
+    the error names the databases the two connections were given. Nothing commits."""
+    elsewhere = LeaseStore.from_url(empty_database_url)
+    if schema == "installed":
+        elsewhere.install()
+    got = store.acquire("release:prod", holder="deploy", ttl=30)
+    assert got.lease is not None
+    try:
+        with (
+            pytest.raises(error, match="fenced writes must run in the database") as raised,
+            elsewhere.engine.begin() as conn,
+            store.guard(got.lease, conn, action="publish"),
+        ):
+            conn.exec_driver_sql("CREATE TABLE written (x int)")
+        assert make_url(empty_database_url).database in str(raised.value)
+        assert store.engine.url.database in str(raised.value)
+        with elsewhere.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT to_regclass('written')").scalar() is None
+    finally:
+        elsewhere.engine.dispose()
+    assert store.stale_runs() == []
+
+
 def test_a_missing_schema_says_to_install_inside_a_guard(
     empty_database_url: str,
 ) -> None:
