@@ -64,10 +64,10 @@ def install_script(lock_timeout: float) -> str:
     """One idempotent script, for one transaction: bootstrap, each pending migration once,
     then the functions. Once it holds the install lock (concurrent installs wait for each
     other, whatever the role's own lock timeout), each lock it takes waits at most
-    ``lock_timeout`` seconds: a migration that must
-    lock a table the fleet is using fails instead of queueing the fleet's calls behind it. Names
-    resolve in ``pg_catalog`` only, so that no function or operator another role created in a
-    schema on the installer's search path runs with the installer's rights.
+    ``lock_timeout`` seconds: a migration that must lock a table the fleet is using fails
+    instead of queueing the fleet's calls behind it. Names resolve in ``pg_catalog`` only, so
+    that no function or operator another role created in a schema on the installer's search
+    path runs with the installer's rights.
 
     ``celery-fence install`` runs exactly this text in a transaction; ``celery-fence install
     --print`` prints it between ``BEGIN`` and ``COMMIT``.
