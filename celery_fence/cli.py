@@ -297,9 +297,7 @@ def main(
     5 lease lost.
     """
     try:
-        validation.check_seconds(
-            lock_timeout, "--lock-timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
-        )
+        validation.check_lock_timeout(lock_timeout, "--lock-timeout")
     except ConfigurationError as exc:
         raise BadInput(str(exc)) from exc
     settings = Settings(

@@ -422,9 +422,7 @@ class LeaseStore:
         self.max_ttl = validation.check_seconds(
             max_ttl, "max_ttl", maximum=validation.MAX_TTL_SECONDS
         )
-        self.lock_timeout = validation.check_seconds(
-            lock_timeout, "lock_timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
-        )
+        self.lock_timeout = validation.check_lock_timeout(lock_timeout, "lock_timeout")
         self.safety_margin = validation.check_fraction(safety_margin, "safety_margin")
         self.default_environment = validation.check_environment(default_environment)
         self.metrics = Metrics()
@@ -481,9 +479,7 @@ class LeaseStore:
     def install_script(*, lock_timeout: float = 2.0) -> str:
         """The SQL :meth:`install` runs, between ``BEGIN`` and ``COMMIT``, for review or for
         ``psql -f``: one transaction, whose locks each wait at most ``lock_timeout`` seconds."""
-        lock_timeout = validation.check_seconds(
-            lock_timeout, "lock_timeout", maximum=validation.MAX_LOCK_TIMEOUT_SECONDS
-        )
+        lock_timeout = validation.check_lock_timeout(lock_timeout, "lock_timeout")
         return f"BEGIN;\n\n{_sql.install_script(lock_timeout)}\nCOMMIT;\n"
 
     def install(self) -> int:

@@ -91,6 +91,12 @@ def check_seconds(value: object, what: str, *, maximum: float, minimum: float = 
     return seconds
 
 
+def check_lock_timeout(value: object, what: str) -> float:
+    """Return ``value`` as the seconds a call may wait for a lock (at most
+    :data:`MAX_LOCK_TIMEOUT_SECONDS`)."""
+    return check_seconds(value, what, maximum=MAX_LOCK_TIMEOUT_SECONDS)
+
+
 def check_seconds_or_zero(value: object, what: str, *, maximum: float) -> float:
     """Return ``value`` as float seconds if it is ``0`` (none) or as :func:`check_seconds`
     takes it."""

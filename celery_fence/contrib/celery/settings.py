@@ -190,8 +190,8 @@ class FenceSettings:
             renew_interval=renew_interval,
             max_ttl=max_ttl,
             max_hold=max_hold,
-            lock_timeout=validation.check_seconds(
-                get("fence_lock_timeout"), "fence_lock_timeout", maximum=60
+            lock_timeout=validation.check_lock_timeout(
+                get("fence_lock_timeout"), "fence_lock_timeout"
             ),
             safety_margin=safety_margin,
             on_busy=cast(
