@@ -124,7 +124,10 @@ $$;
 -- "no timeout", also for a span already used up) and at most the settings' largest value.
 CREATE OR REPLACE FUNCTION celery_fence.timeout_ms(p_span interval)
 RETURNS text LANGUAGE sql IMMUTABLE AS $$
-    SELECT least(2147483647, greatest(1, pg_catalog.ceil(extract(epoch FROM p_span) OPERATOR(pg_catalog.*) 1000)))::bigint::text
+    SELECT least(
+        2147483647,
+        greatest(1, pg_catalog.ceil(extract(epoch FROM p_span) OPERATOR(pg_catalog.*) 1000))
+    )::bigint::text
 $$;
 
 -- Sets lock_timeout for the rest of the transaction (or of the calling function, whose SET

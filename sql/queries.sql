@@ -3,7 +3,8 @@
 -- name: acquire
 SELECT * FROM celery_fence.acquire(
     :name, :environment, :holder, pg_catalog.make_interval(secs => :ttl),
-    pg_catalog.make_interval(secs => :max_hold), :purpose, pg_catalog.make_interval(secs => :lock_timeout), :now
+    pg_catalog.make_interval(secs => :max_hold), :purpose,
+    pg_catalog.make_interval(secs => :lock_timeout), :now
 )
 
 -- name: renew
@@ -14,14 +15,15 @@ SELECT * FROM celery_fence.renew(
 
 -- name: release
 SELECT * FROM celery_fence.release(
-    :name, :epoch, :token, :holder, :enforced, :now, pg_catalog.make_interval(secs => :lock_timeout),
-    :environment
+    :name, :epoch, :token, :holder, :enforced, :now,
+    pg_catalog.make_interval(secs => :lock_timeout), :environment
 )
 
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(
-    :name, :epoch, :holder, :mode, :proof, pg_catalog.make_interval(secs => :ttl), :action, :enforced, :now,
-    pg_catalog.make_interval(secs => :lock_timeout), :environment, :successor, :delivery_prefix
+    :name, :epoch, :holder, :mode, :proof, pg_catalog.make_interval(secs => :ttl), :action,
+    :enforced, :now, pg_catalog.make_interval(secs => :lock_timeout), :environment, :successor,
+    :delivery_prefix
 )
 
 -- name: fence
@@ -39,7 +41,8 @@ SELECT CASE
     )
 END AS fenced
 FROM (
-    SELECT pg_catalog.pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued OFFSET 0
+    SELECT pg_catalog.pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued
+    OFFSET 0
 ) AS w
 LEFT JOIN LATERAL (
     SELECT l FROM celery_fence.leases l WHERE l.name = :name AND w.queued = 1 FOR SHARE
