@@ -65,6 +65,9 @@ CREATE INDEX stale_runs_environment_idx
 CREATE INDEX stale_runs_lease_idx
     ON celery_fence.stale_runs (lease_name, recorded_at DESC, id DESC);
 
+CREATE INDEX stale_runs_recorded_idx
+    ON celery_fence.stale_runs (recorded_at DESC, id DESC);
+
 -- The answer every protocol function gives: what happened, and the lease as it now stands.
 -- The token is filled only for the caller that holds the lease.
 CREATE TYPE celery_fence.answer AS (
@@ -99,3 +102,6 @@ CREATE TABLE celery_fence.dispatches (
     dispatched_at timestamptz NOT NULL,
     PRIMARY KEY (schedule, entry, slot)
 );
+
+CREATE INDEX dispatches_slot_idx
+    ON celery_fence.dispatches (schedule, slot DESC, entry);

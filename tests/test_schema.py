@@ -479,6 +479,56 @@ def test_upgrading_leaves_exactly_the_functions_of_the_current_version(
     assert names == sorted(created)
 
 
+# -- the listings read an index, whatever the size of the table ---------------------------------
+
+FILL_LISTED_TABLES = (
+    """
+    INSERT INTO celery_fence.stale_runs (
+        recorded_at, environment, lease_name, stale_epoch, stale_holder, reason, action
+    )
+    SELECT clock_timestamp() - i * interval '1 second', 'env' || mod(i, 20),
+           'lease:' || mod(i, 20), i, 'holder', 'expired', 'renew'
+    FROM generate_series(1, 20000) AS i
+    """,
+    """
+    INSERT INTO celery_fence.dispatches (
+        schedule, entry, slot, task, epoch, holder, dispatched_at
+    )
+    SELECT 'scheduler:' || mod(i, 4), 'entry' || mod(i, 10),
+           clock_timestamp() - i * interval '1 minute', 'task', 1, 'beat', clock_timestamp()
+    FROM generate_series(1, 20000) AS i
+    """,
+    "ANALYZE celery_fence.stale_runs, celery_fence.dispatches",
+)
+
+LISTINGS = {
+    "every stale run": ("stale_runs", {"environment": None, "lease_name": None, "limit": 100}),
+    "one environment's": ("stale_runs", {"environment": "env3", "lease_name": None, "limit": 100}),
+    "one lease's": ("stale_runs", {"environment": None, "lease_name": "lease:3", "limit": 100}),
+    "a schedule's dispatches": ("dispatches", {"schedule": "scheduler:1", "limit": 100}),
+}
+
+
+def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from plan_nodes(child)
+
+
+@pytest.mark.parametrize("listing", sorted(LISTINGS))
+def test_a_listing_reads_the_newest_rows_from_an_index(engine: Engine, listing: str) -> None:
+    """A hundred rows, newest first, out of 20,000: the plan walks an index in that order
+    instead of sorting every row."""
+    query, params = LISTINGS[listing]
+    with engine.begin() as conn:
+        for statement in FILL_LISTED_TABLES:
+            conn.exec_driver_sql(statement)
+        explained = sa.text(f"EXPLAIN (FORMAT JSON) {_sql.queries()[query]}")
+        nodes = list(plan_nodes(conn.execute(explained, params).scalar_one()[0]["Plan"]))
+    assert [node["Node Type"] for node in nodes if node["Node Type"] in ("Sort", "Seq Scan")] == []
+    assert any(node["Node Type"] == "Index Scan" for node in nodes)
+
+
 # -- the printed script is what install runs -----------------------------------------------------
 
 
@@ -498,7 +548,9 @@ def test_an_install_kept_waiting_for_a_lock_changes_nothing_and_says_so(
                 sa.text("DELETE FROM celery_fence.migrations WHERE version = :version"),
                 {"version": last.version},
             )
-            conn.exec_driver_sql("DROP INDEX celery_fence.stale_runs_lease_idx")
+            conn.exec_driver_sql(
+                "DROP INDEX celery_fence.stale_runs_recorded_idx, celery_fence.dispatches_slot_idx"
+            )
         store = LeaseStore.from_url(empty_database_url, lock_timeout=0.3)
         with engine.begin() as conn:
             # A transaction recording a stale run, still open: the new index must wait for it.
