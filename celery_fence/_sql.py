@@ -59,6 +59,12 @@ def latest_version() -> int:
     return migrations()[-1].version
 
 
+def milliseconds(seconds: float) -> str:
+    """A duration for a PostgreSQL setting (``lock_timeout``): whole milliseconds, at least
+    one (0 would mean no limit)."""
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
 @cache
 def install_script(lock_timeout: float) -> str:
     """One idempotent script, for one transaction: bootstrap, each pending migration once,
@@ -77,7 +83,7 @@ def install_script(lock_timeout: float) -> str:
         "SET LOCAL search_path = pg_catalog, pg_temp;",
         "SET LOCAL lock_timeout = 0;",
         f"SELECT pg_advisory_xact_lock({INSTALL_LOCK_KEY});",
-        f"SET LOCAL lock_timeout = '{max(1, round(lock_timeout * 1000))}ms';",
+        f"SET LOCAL lock_timeout = '{milliseconds(lock_timeout)}';",
         read("bootstrap.sql").strip(),
     ]
     for migration in migrations():

@@ -882,7 +882,7 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
 
     Takes the lease for 1 s, lets it expire, starts the clients together, prints each JSON
     answer, and checks: exactly one winner, the epoch up by one, every loser told the winner.
-    Prints "canary: OK" and releases the winner's lease, or fails with exit 1.
+    Releases the lease each winner took, then prints "canary: OK", or fails with exit 1.
     """
     store = settings.store()
     # Checked as each racing client will check it, so that a bad TTL is refused before the seed.
@@ -899,11 +899,18 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
         if answer.answer is not None:
             echo_json(_without_token(answer.answer))
     problems = race_problems(seed.epoch, answers, store.owner(name))
+    winners = [a for a in answers if a.answer is not None and a.answer.get("acquired")]
+    for won in winners:  # given back whatever the verdict: a failed race leaves no lease held
+        assert won.answer is not None
+        try:
+            store.release(held_lease(**_identity_from_json(won.answer)))
+        except FenceError as exc:
+            if not problems:
+                raise
+            problems.append(f"giving back {won.holder}'s lease failed: {exc}")
     if problems:
         raise CommandError("canary: FAILED: " + "; ".join(problems))
-    (winner,) = (a for a in answers if a.answer is not None and a.answer["acquired"])
-    assert winner.answer is not None
-    store.release(held_lease(**_identity_from_json(winner.answer)))
+    (winner,) = winners
     click.echo(
         f"canary: OK: {winner.holder} won epoch {seed.epoch + 1}; "
         f"{clients - 1} loser(s) named it as the owner; released"

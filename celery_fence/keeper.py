@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,11 @@ Refresh = Callable[[Lease], Lease]
 #: The shortest wait before another attempt, so that a lease about to run out is not polled in a
 #: tight loop.
 MIN_WAIT = 0.05
+#: The most renewals a process runs at once, each on a thread of its own: a renewal kept waiting
+#: (for the fenced transactions open on its lease, up to the lock timeout) holds up its own
+#: lease's renewals only. Renewals due beyond that wait for one in flight to end. The renewals'
+#: store needs as many connections (``LeaseStore.dedicated()`` opens up to as many).
+RENEWALS_AT_ONCE = 8
 
 
 def next_attempt(lease: Lease, interval: float) -> float:
@@ -45,7 +51,8 @@ class LeaseKeeper:
     lease's monotonic deadline passes, then the lease counts as lost. ``lost`` is an event the
     work can check; ``lease`` is always the latest renewed lease.
 
-    The renewals of every keeper in a process run on one background thread, so starting and
+    The keepers of a process share background threads: one that keeps the queue of renewals
+    due, and up to :data:`RENEWALS_AT_ONCE` that renew, started as renewals overlap. Starting and
     stopping a keeper costs no thread of its own.
     """
 
@@ -155,8 +162,10 @@ class LeaseKeeper:
 
 
 class _Renewals:
-    """The process's renewal thread: a queue of keepers ordered by when each is due. A forked
-    child starts afresh, with an empty queue and a thread of its own once it needs one."""
+    """The process's renewal threads: a queue of keepers ordered by when each is due, and the
+    threads that renew those due, one renewal each at a time, as many as there are renewals in
+    flight, up to :data:`RENEWALS_AT_ONCE`. A forked child starts afresh, with an empty queue
+    and threads of its own once it needs them."""
 
     def __init__(self) -> None:
         self._reset()
@@ -167,6 +176,9 @@ class _Renewals:
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._running = False
+        self._ready: queue.SimpleQueue[LeaseKeeper] = queue.SimpleQueue()
+        self._in_flight = 0  # renewals handed to the renewers and not yet ended
+        self._renewers = 0
 
     def schedule(self, keeper: LeaseKeeper, at: float) -> None:
         with self._wake:
@@ -195,7 +207,24 @@ class _Renewals:
                     timeout = self._due[0][0] - time.monotonic() if self._due else None
                     self._wake.wait(timeout)
                 _, _, keeper = heapq.heappop(self._due)
-            wait = keeper.renew_once()
+                self._in_flight += 1
+                if self._in_flight > self._renewers and self._renewers < RENEWALS_AT_ONCE:
+                    self._renewers += 1
+                    threading.Thread(
+                        target=self._renew,
+                        name=f"celery-fence-renewer-{self._renewers}",
+                        daemon=True,
+                    ).start()
+            self._ready.put(keeper)
+
+    def _renew(self) -> None:
+        while True:
+            keeper = self._ready.get()
+            try:
+                wait = keeper.renew_once()
+            finally:
+                with self._wake:
+                    self._in_flight -= 1
             if wait is not None:
                 self.schedule(keeper, time.monotonic() + wait)
 

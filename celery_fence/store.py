@@ -11,13 +11,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from typing import Any, Literal, get_args
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from celery_fence import _sql, validation
 from celery_fence.exceptions import (
@@ -29,6 +29,7 @@ from celery_fence.exceptions import (
     SchemaNotInstalledError,
     StaleEpochError,
 )
+from celery_fence.keeper import RENEWALS_AT_ONCE
 from celery_fence.models import Acquisition, Dispatch, HistoryEntry, Lease, Owner, StaleRun
 from celery_fence.observe import Metrics, log, stale_log
 
@@ -59,9 +60,22 @@ _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
 _SCHEMA_OBJECT = re.compile(r'(?<![\w"])"?celery_fence"?\.|schema "celery_fence"')
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
-    "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
-    "expires_at", "hold_until", "released_at", "paused", "paused_reason", "paused_by", "paused_at",
-)  # fmt: skip
+    "name",
+    "environment",
+    "holder",
+    "purpose",
+    "epoch",
+    "state",
+    "acquired_at",
+    "renewed_at",
+    "expires_at",
+    "hold_until",
+    "released_at",
+    "paused",
+    "paused_reason",
+    "paused_by",
+    "paused_at",
+)
 
 
 #: The longest schedule entry name: ``claim_slot``'s action, ``dispatch <entry> for <slot>``, names
@@ -69,8 +83,9 @@ _OWNER_FIELDS = (
 #: offset, 32 characters).
 _MAX_ENTRY_LENGTH = validation.MAX_TEXT_LENGTH - len("dispatch  for ") - 32
 
-#: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session``.
-Executor = sa.Connection | Session
+#: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session`` (or a
+#: ``scoped_session``), on psycopg 3.
+Executor = sa.Connection | Session | scoped_session[Session]
 
 
 #: libpq connection parameters :func:`engine_from_url` sets unless the URL or ``connect_args``
@@ -358,6 +373,61 @@ def _refuse_ended(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
 _EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
 
 
+# The Connections and Sessions inside guard blocks, each with how many: their commits are refused.
+_GUARDED: weakref.WeakKeyDictionary[sa.Connection | Session, int] = weakref.WeakKeyDictionary()
+# The engines whose Connections' commits are watched (listened to once each), and whether the
+# Sessions' are.
+_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+_watching_sessions = False
+_WATCH_LOCK = threading.Lock()
+
+
+def _commit_refused() -> ConfigurationError:
+    return ConfigurationError(
+        "commit refused inside a guard block: the fence check runs when the block ends, so the "
+        "writes would commit unchecked; commit after the block"
+    )
+
+
+def _refuse_commit(conn: sa.Connection, *_: Any) -> None:
+    """Refuse the commit (or two-phase prepare) of a Connection inside a guard block. SQLAlchemy
+    counts a commit that raised as the transaction's end, and hands the connection back to its
+    pool without a rollback: the writes are rolled back here, so that none stay pending on it (a
+    connection too broken to roll back commits nothing either)."""
+    if _GUARDED.get(conn):
+        dbapi_connection = conn.connection.dbapi_connection
+        if dbapi_connection is not None:
+            with suppress(conn.dialect.loaded_dbapi.Error):
+                dbapi_connection.rollback()
+        raise _commit_refused()
+
+
+def _refuse_session_commit(session: Session) -> None:
+    """Refuse the commit of a Session inside a guard block, whichever connections it uses by
+    then; a savepoint's release commits nothing and goes through. The transaction is left as it
+    was, so that the check at the block's end still fences it."""
+    if _GUARDED.get(session) and not session.in_nested_transaction():
+        raise _commit_refused()
+
+
+def _watch_commits(guarded: sa.Connection | Session) -> None:
+    global _watching_sessions
+    if isinstance(guarded, Session):
+        if not _watching_sessions:
+            with _WATCH_LOCK:
+                if not _watching_sessions:
+                    sa.event.listen(Session, "before_commit", _refuse_session_commit)
+                    _watching_sessions = True
+        return
+    engine = guarded.engine
+    if engine not in _WATCHED_ENGINES:
+        with _WATCH_LOCK:
+            if engine not in _WATCHED_ENGINES:
+                sa.event.listen(engine, "commit", _refuse_commit)
+                sa.event.listen(engine, "prepare_twophase", _refuse_commit)
+                _WATCHED_ENGINES.add(engine)
+
+
 def _after_fork_in_child() -> None:
     for connections in list(_EVERY_STORES_CONNECTIONS):
         connections.forked()
@@ -366,16 +436,49 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _cursor(conn: Executor) -> Any:
-    """A DB-API cursor on the connection under a SQLAlchemy ``Connection`` or ``Session``, in its
-    current transaction. It is kept in the connection's ``info``, which SQLAlchemy discards with
-    the DB-API connection, and reused by every later call on it."""
+def _qualified(value: object) -> str:
+    kind = type(value)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _guarded(conn: Executor) -> sa.Connection | Session:
+    """What a guard block on ``conn`` watches the commits of: the Session (a scoped session's
+    current one), or the Connection."""
+    return conn() if isinstance(conn, scoped_session) else conn
+
+
+def _connection(conn: sa.Connection | Session) -> sa.Connection:
+    """The SQLAlchemy ``Connection`` under ``conn``, in a transaction SQLAlchemy knows of: a
+    Session's (begun if none is, as its next statement would), or the Connection's own (begun
+    here if none is, likewise), so that the fence check never opens one behind SQLAlchemy's
+    back."""
     if isinstance(conn, Session):
-        conn = conn.connection()
-    if not isinstance(conn, sa.Connection):
+        try:
+            conn = conn.connection()
+        except sa.exc.UnboundExecutionError as exc:
+            raise ConfigurationError(
+                "guard cannot tell which of the Session's engines the writes go to; pass the "
+                "Session's connection for them, session.connection(bind_arguments={'mapper': "
+                "Model})"
+            ) from exc
+    elif not isinstance(conn, sa.Connection):
         raise ConfigurationError(
-            f"guard needs a SQLAlchemy Connection or Session, got {type(conn).__name__}"
+            f"guard needs a SQLAlchemy Connection or Session, got {_qualified(conn)}"
         )
+    if conn.dialect.driver != "psycopg":
+        raise ConfigurationError(
+            "guard needs a connection through psycopg 3 (an engine on a postgresql+psycopg:// "
+            f"URL), got {conn.dialect.name}+{conn.dialect.driver}"
+        )
+    if not conn.in_transaction():
+        conn.begin()
+    return conn
+
+
+def _cursor(conn: sa.Connection) -> Any:
+    """A DB-API cursor on the connection under a SQLAlchemy ``Connection``, in its current
+    transaction. It is kept in the connection's ``info``, which SQLAlchemy discards with the
+    DB-API connection, and reused by every later call on it."""
     pooled = conn.connection
     cursor = pooled.info.get(_CURSOR_INFO)
     if cursor is None:
@@ -383,6 +486,11 @@ def _cursor(conn: Executor) -> Any:
         assert dbapi_connection is not None  # a connection in use is open
         cursor = pooled.info[_CURSOR_INFO] = dbapi_connection.cursor()
     return cursor
+
+
+def _owner_of(rows: list[dict[str, Any]]) -> Owner | None:
+    """The owner ``celery_fence.owner()`` answered."""
+    return _owner(rows[0]) if rows else None
 
 
 def _owner(row: Mapping[str, Any]) -> Owner | None:
@@ -402,8 +510,8 @@ class LeaseStore:
     the holder does not trust, so that it stops before the database could hand the lease on.
     Protocol calls (acquire, renew, release, reads) run in autocommit on connections of the
     store's own, opened as ``engine`` opens its own (outside its pool): up to ``pool_size`` kept
-    open between calls, up to twice as many at once. Fenced writes run on the caller's
-    connection.
+    open between calls, up to ``max_connections`` (by default twice as many) at once. Fenced
+    writes run on the caller's connection.
     """
 
     def __init__(
@@ -416,6 +524,7 @@ class LeaseStore:
         safety_margin: float = 0.1,
         default_environment: str = "default",
         pool_size: int = 5,
+        max_connections: int | None = None,
     ) -> None:
         self.engine = engine
         self.clock = clock
@@ -428,6 +537,17 @@ class LeaseStore:
         self.metrics = Metrics()
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be a positive integer, got {pool_size!r}")
+        if max_connections is None:
+            max_connections = 2 * pool_size
+        elif (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < pool_size
+        ):
+            raise ConfigurationError(
+                f"max_connections must be an integer of at least pool_size ({pool_size}), got "
+                f"{max_connections!r}"
+            )
         # psycopg's async dialect names the same driver: its engine fails only at the first call.
         if engine.dialect.driver != "psycopg" or engine.dialect.is_async:
             raise ConfigurationError(
@@ -436,24 +556,31 @@ class LeaseStore:
             )
         if not sa.event.contains(engine, "checkout", _refuse_ended):
             sa.event.listen(engine, "checkout", _refuse_ended)
-        self._connections = _Connections(engine, keep=pool_size, limit=2 * pool_size)
+        self._connections = _Connections(engine, keep=pool_size, limit=max_connections)
         weakref.finalize(self, self._connections.close)
         self._statements = {
             name: _Statement(sql, engine.dialect) for name, sql in _sql.queries().items()
         }
-        self._driver_errors: type[Exception] = engine.dialect.loaded_dbapi.Error
+        # What a protocol call can fail with: the driver's errors, and SQLAlchemy's wrapping of
+        # them (opening a connection runs the dialect's first queries through SQLAlchemy).
+        self._driver_errors: tuple[type[Exception], ...] = (
+            engine.dialect.loaded_dbapi.Error,
+            sa.exc.DBAPIError,
+        )
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> LeaseStore:
         """A store on a new engine; ``postgresql://`` URLs use psycopg 3."""
         return cls(engine_from_url(url), **kwargs)
 
-    def dedicated(self) -> LeaseStore:
-        """A store with the same settings on a connection of its own (for renewal threads), so
-        that a busy pool in the work never starves the lease."""
+    def dedicated(self, *, max_connections: int = RENEWALS_AT_ONCE) -> LeaseStore:
+        """A store with the same settings on connections of its own (one kept between calls, up
+        to ``max_connections`` at once), for renewals, so that a busy pool in the work never
+        starves the lease."""
         return LeaseStore(
             self.engine,
             pool_size=1,
+            max_connections=max_connections,
             clock=self.clock,
             max_ttl=self.max_ttl,
             lock_timeout=self.lock_timeout,
@@ -496,7 +623,7 @@ class LeaseStore:
                 )
                 (row,) = self._run(_cursor(conn), "schema_version", {})
                 return int(row["version"])
-        except (self._driver_errors, sa.exc.DBAPIError) as exc:
+        except self._driver_errors as exc:
             if _sqlstate(exc) == _LOCK_NOT_AVAILABLE:
                 raise FenceDatabaseError(
                     "install changed nothing: a lock it needs was held past lock_timeout "
@@ -570,7 +697,7 @@ class LeaseStore:
         try:
             row = self._call("acquire", params)
         except FenceDatabaseError as exc:
-            return self._busy(name, exc, "acquire"), None
+            return self._busy(name, exc, "acquire", params["lock_timeout"]), None
         outcome = row["outcome"]
         self.metrics.incr(f"acquire.{outcome}")
         owner = _owner(row)
@@ -626,11 +753,37 @@ class LeaseStore:
         except self._driver_errors as exc:
             raise _wrap(exc) from exc
 
-    def _busy(self, name: str, error: FenceDatabaseError, call: str) -> Acquisition:
+    def _busy(
+        self, name: str, error: FenceDatabaseError, call: str, lock_timeout: float
+    ) -> Acquisition:
         """The answer to a call that waited past ``lock_timeout`` for the lease's row; any other
         database error is raised again."""
         self._check_busy(name, error, call)
-        return Acquisition(outcome="busy", lease=None, owner=self.owner(name))
+        owner = self._owner_within(name, lock_timeout)
+        return Acquisition(outcome="busy", lease=None, owner=owner)
+
+    def _owner_within(self, name: str, lock_timeout: float) -> Owner | None:
+        """The owner a busy answer reports, read waiting no longer for the lease table than the
+        call did (``lock_timeout``): ``None`` when the table itself stays locked that long (by a
+        ``VACUUM FULL`` or a migration, say; fenced writers lock rows, which a read does not
+        wait for)."""
+        params = {"name": name, "now": self._now()}
+        try:
+            cursor, generation = self._connections.checkout()
+            try:
+                with cursor.connection.transaction():
+                    cursor.execute(
+                        "SELECT pg_catalog.set_config('lock_timeout', %s, true)",
+                        (_sql.milliseconds(lock_timeout),),
+                    )
+                    rows = self._run(cursor, "owner", params)
+            finally:
+                self._connections.checkin(cursor, generation)
+        except self._driver_errors as exc:
+            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
+                raise _wrap(exc) from exc
+            return None
+        return _owner_of(rows)
 
     def _check_busy(self, name: str, error: FenceDatabaseError, call: str) -> None:
         """Log and count ``error`` if it ended a call that waited past ``lock_timeout`` for the
@@ -784,7 +937,7 @@ class LeaseStore:
         try:
             row = self._call("rejoin", params)
         except FenceDatabaseError as exc:
-            return self._busy(name, exc, "rejoin")
+            return self._busy(name, exc, "rejoin", self.lock_timeout)
         if row["outcome"] in ("held", "paused"):
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
         if row["outcome"] not in ("joined", "resumed"):
@@ -823,24 +976,52 @@ class LeaseStore:
         REPEATABLE READ or SERIALIZABLE leaves the caller's transaction to commit.
         """
         action = self._action(action)
+        if not isinstance(lease, Lease):
+            raise ConfigurationError(
+                f"guard needs a Lease (an acquisition's .lease), got {_qualified(lease)}"
+            )
+        guarded = _guarded(conn)
+        connection = _connection(guarded)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
-        cursor = _cursor(conn)
-        if cursor.connection.autocommit:
+        if _cursor(connection).connection.autocommit:
             raise ConfigurationError(
                 "guard needs a connection in a transaction, not in autocommit: each write would "
                 "commit before the fence check"
             )
         trusted = lease.trusted
         if not trusted and enforce:
-            self._record_rejection(lease, "expired", action, True)
-            raise StaleEpochError(
+            raise self._stale(
+                lease,
+                "expired",
+                action,
                 f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
-                lease_name=lease.name,
-                epoch=lease.epoch,
-                owner=self.owner(lease.name),
-                reason="expired",
             )
-        yield lease
+        _watch_commits(guarded)
+        outer = _GUARDED.get(guarded, 0)  # guard blocks around this one
+        try:
+            _GUARDED[guarded] = outer + 1
+            yield lease
+        finally:
+            if outer:
+                _GUARDED[guarded] = outer
+            else:
+                _GUARDED.pop(guarded, None)
+        # The block may have rolled the transaction back: a Session then has another connection.
+        connection = _connection(guarded)
+        cursor = _cursor(connection)
+        try:
+            self._check_fence(lease, cursor, action, enforce=enforce, trusted=trusted)
+        except BaseException:
+            if cursor.connection.broken:
+                # Lost during the check, which SQLAlchemy did not see: without this, its
+                # rollback of the caller's transaction would fail in place of the error.
+                connection.invalidate()
+            raise
+
+    def _check_fence(
+        self, lease: Lease, cursor: Any, action: str, *, enforce: bool, trusted: bool
+    ) -> None:
+        """The check at the end of a guard block, on ``cursor`` in the caller's transaction."""
         params = {
             "name": lease.name,
             "epoch": lease.epoch,
@@ -852,7 +1033,7 @@ class LeaseStore:
             # (superseded rather than expired, say), else the holder's own deadline's.
             reason = self._shadow_check(cursor, params) or (None if trusted else "expired")
             if reason is not None:
-                self._record_rejection(lease, reason, action, False)
+                self._record_rejection(lease, reason, action, enforced=False)
             return
         try:
             self._run(cursor, "fence", params)
@@ -873,17 +1054,27 @@ class LeaseStore:
                 if isinstance(error, SchemaNotInstalledError):
                     error = SchemaNotInstalledError(f"{error}{self._elsewhere(cursor)}")
                 raise error from exc
-            owner = self.owner(lease.name)
-            self._record_rejection(lease, reason, action, True)
-            raise StaleEpochError(
-                f"fenced write {action!r} rejected: lease {lease.name} epoch {lease.epoch} "
-                f"is {reason}",
-                lease_name=lease.name,
-                epoch=lease.epoch,
-                owner=owner,
-                reason=reason,
+            raise self._stale(
+                lease,
+                reason,
+                action,
+                f"fenced write {action!r} rejected: lease {lease.name} "
+                f"epoch {lease.epoch} is {reason}",
             ) from exc
-        self.metrics.incr("guard.committed")
+        self.metrics.incr("guard.passed")
+
+    def _stale(self, lease: Lease, reason: str, action: str, message: str) -> StaleEpochError:
+        """The error rejecting a fenced write of ``lease`` as stale, once the rejection is
+        recorded. The write is rejected whatever happens to the record: a database error on the
+        way is logged rather than raised in the rejection's place."""
+        self._record_rejection(lease, reason, action, enforced=True)
+        try:
+            owner = self.owner(lease.name)
+        except FenceDatabaseError:
+            owner = None
+        return StaleEpochError(
+            message, lease_name=lease.name, epoch=lease.epoch, owner=owner, reason=reason
+        )
 
     def _elsewhere(self, cursor: Any) -> str:
         """For a fence check that found no lease or no schema: the database names the guard's
@@ -1007,7 +1198,7 @@ class LeaseStore:
                 self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
             ):
                 claimed = self._run(_cursor(conn), "claim_slot", params)
-        except (self._driver_errors, sa.exc.DBAPIError) as exc:
+        except self._driver_errors as exc:
             raise _wrap(exc) from exc
         return bool(claimed)
 
@@ -1069,8 +1260,9 @@ class LeaseStore:
 
     def owner(self, name: str) -> Owner | None:
         """The lease's current safe metadata, or ``None`` if it was never taken or paused."""
-        rows = self._rows("owner", {"name": validation.check_name(name), "now": self._now()})
-        return _owner(rows[0]) if rows and rows[0]["name"] is not None else None
+        return _owner_of(
+            self._rows("owner", {"name": validation.check_name(name), "now": self._now()})
+        )
 
     def leases(self, environment: str | None = None) -> list[Owner]:
         rows = self._rows(
@@ -1238,17 +1430,42 @@ class LeaseStore:
         left out (``None``) rather than stop the call."""
         return validation.readable(validation.check_environment, lease.environment)
 
-    def _record_rejection(self, lease: Lease, reason: str, action: str, enforced: bool) -> None:
-        # The database records the lease row's own environment; the lease's is only a fallback.
-        self.record_stale_run(
-            lease.name,
-            epoch=lease.epoch,
-            holder=lease.holder,
-            reason=reason,
-            action=action,
-            environment=self._fallback_environment(lease),
-            enforced=enforced,
-        )
+    def _record_rejection(self, lease: Lease, reason: str, action: str, *, enforced: bool) -> None:
+        """Record a fenced write's rejection. When the database cannot take the record, the
+        rejection is logged and counted all the same, and the failure logged: the write is
+        rejected (or, in shadow mode, let through) either way."""
+        environment = self._fallback_environment(lease)
+        try:
+            # The database records the lease row's own environment; the lease's is a fallback.
+            self.record_stale_run(
+                lease.name,
+                epoch=lease.epoch,
+                holder=lease.holder,
+                reason=reason,
+                action=action,
+                environment=environment,
+                enforced=enforced,
+            )
+        except FenceDatabaseError as exc:
+            self._report(
+                lease_name=lease.name,
+                environment=environment or "",
+                stale_epoch=lease.epoch,
+                stale_holder=lease.holder,
+                current_epoch=None,
+                current_holder=None,
+                reason=reason,
+                action=action,
+                enforced=enforced,
+            )
+            stale_log.error(
+                "stale %s of lease %s epoch %s not recorded: %s",
+                action,
+                lease.name,
+                lease.epoch,
+                exc,
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
 
     def _report(self, **fields: Any) -> None:
         """Log and count one rejection; ``fields`` are a stale-run record's columns."""

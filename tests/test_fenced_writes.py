@@ -12,16 +12,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 from freezegun import freeze_time
 from sqlalchemy.engine import Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
 from celery_fence import (
+    ConfigurationError,
     FenceDatabaseError,
     Lease,
     LeaseLostError,
@@ -104,7 +106,7 @@ def test_guard_commits_writes_while_held(store: LeaseStore, protected: Engine, k
         conn.execute(UPDATE, {"value": "published"})
     assert protected_value(protected) == "published"
     assert store.stale_runs() == []
-    assert store.metrics.get("guard.committed") == 1
+    assert store.metrics.get("guard.passed") == 1
 
 
 def idle_limit_ms(conn: sa.Connection) -> int:
@@ -167,7 +169,7 @@ def test_guard_fences_every_transaction_of_a_pooled_connection_also_after_a_reco
                 with engine.connect() as conn:
                     conn.invalidate()
         assert backends[0] == backends[1] != backends[2]
-        assert store.metrics.get("guard.committed") == 3
+        assert store.metrics.get("guard.passed") == 3
         assert store.stale_runs() == []
     finally:
         engine.dispose()
@@ -751,6 +753,27 @@ def test_an_acquirer_behind_a_fenced_writer_answers_busy(
     assert late.acquire(NAME, holder="S", ttl=300, environment=ENVIRONMENT).acquired
 
 
+def test_an_acquirer_behind_a_lock_on_the_lease_table_answers_busy_without_an_owner(
+    store: LeaseStore, engine: Engine
+) -> None:
+    """A lock on the whole table (VACUUM FULL, a migration) keeps the owner from being read
+    too: the busy answer comes within the lock timeout all the same, naming no owner."""
+    acquire(store, "H")
+    late = late_store(engine, lock_timeout=0.2)
+    late.owner(NAME)  # its connection opened, before the lock
+    with ThreadPoolExecutor(1) as pool, engine.begin() as maintenance:
+        maintenance.exec_driver_sql("LOCK TABLE celery_fence.leases IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        answer = pool.submit(late.acquire, NAME, holder="S", ttl=300, environment=ENVIRONMENT)
+        try:
+            got = answer.result(timeout=WAIT)
+        finally:
+            maintenance.rollback()  # lets a call still waiting go
+    assert (got.outcome, got.lease, got.owner) == ("busy", None, None)
+    assert time.monotonic() - started < 2
+    assert late.metrics.get("acquire.busy") == 1
+
+
 @pytest.mark.parametrize(("call", "done"), [("renew", "renewed"), ("release", "released")])
 def test_a_renewal_or_release_behind_a_fenced_writer_gives_up_after_lock_timeout(
     store: LeaseStore, protected: Engine, call: str, done: str
@@ -1073,4 +1096,300 @@ def test_an_acquirer_behind_a_fenced_writer_wins_after_it_commits(
     assert successor.lease.epoch == stale.epoch + 1
     # H's write was ordered before S's epoch: it committed, then S's acquisition did.
     assert committed_values(protected) == ["initial", "H"]
+    assert store.stale_runs() == []
+
+
+# -- what the guard is given -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["held", "superseded"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_commit_inside_the_guard_block_is_refused_and_nothing_commits(
+    store: LeaseStore, protected: Engine, kind: str, lost: bool, expire_lease: Expire
+) -> None:
+    """The check runs when the block ends: a commit inside it would commit the writes unchecked,
+    a stale run's included. It is refused, nothing stays pending on the pooled connection, and
+    the lease is left unlocked."""
+    lease = acquire(store, "release-41")
+    if lost:
+        lose("superseded", store, lease, expire_lease)
+
+    def write_and_commit() -> None:
+        with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "committed inside"})
+            conn.commit()
+
+    with pytest.raises(ConfigurationError, match="commit refused inside a guard block"):
+        write_and_commit()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+    assert store.stale_runs() == []
+    if not lost:
+        assert store.release(lease) == "released"  # at once: the lease row is not locked
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["held", "superseded"])
+def test_a_sessions_refused_commit_leaves_its_transaction_to_the_check(
+    store: LeaseStore, protected: Engine, lost: bool, expire_lease: Expire
+) -> None:
+    """A Session's commit is refused before anything of it happens: its transaction goes on, and
+    the check at the block's end fences it, writes from before the refusal included."""
+    lease = acquire(store, "release-41")
+    if lost:
+        lose("superseded", store, lease, expire_lease)
+    with Session(protected) as session:
+        with (
+            pytest.raises(StaleEpochError) if lost else nullcontext(),
+            store.guard(lease, session, action="publish"),
+        ):
+            session.execute(UPDATE, {"value": "before"})
+            with pytest.raises(ConfigurationError, match="commit refused"):
+                session.commit()
+            session.execute(UPDATE, {"value": "after"})
+        session.commit()
+    assert committed_values(protected) == ["initial"] + ([] if lost else ["before", "after"])
+
+
+def test_a_connection_a_guarded_session_gave_back_commits_for_its_next_user(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """A Session rolled back inside a guard block gives its connection back to the pool, where
+    another user takes it: that user's commits are theirs, not the guard's to refuse."""
+    lease = acquire(store, "release-41")
+    with Session(protected) as session:
+        with store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": "rolled back"})
+            given_back = backend_pid(session)
+            session.rollback()
+            with protected.begin() as other:
+                assert backend_pid(other) == given_back
+                other.execute(UPDATE, {"value": "somebody else's"})
+            with pytest.raises(ConfigurationError, match="commit refused"):
+                session.commit()  # still the guard's, on whichever connection it holds now
+        session.commit()
+    assert committed_values(protected) == ["initial", "somebody else's"]
+    assert store.release(lease) == "released"
+
+
+def test_a_connection_reconnected_inside_the_block_still_has_its_commit_refused(
+    store: LeaseStore, protected: Engine, admin_engine: Engine
+) -> None:
+    lease = acquire(store, "release-41")
+
+    def reconnect_write_and_commit(conn: sa.Connection) -> None:
+        with store.guard(lease, conn, action="publish"):
+            with admin_engine.connect() as admin:
+                admin.execute(
+                    sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": backend_pid(conn)}
+                )
+            with pytest.raises(sa.exc.OperationalError):
+                conn.execute(UPDATE, {"value": "lost"})
+            conn.rollback()
+            conn.execute(UPDATE, {"value": "on the new connection"})
+            conn.commit()
+
+    with protected.connect() as conn, pytest.raises(ConfigurationError, match="commit refused"):
+        reconnect_write_and_commit(conn)
+    assert committed_values(protected) == ["initial"]
+
+
+def test_a_two_phase_prepare_inside_the_block_is_refused(
+    store: LeaseStore, protected: Engine
+) -> None:
+    lease = acquire(store, "release-41")
+
+    def write_and_prepare(conn: sa.Connection) -> None:
+        prepared = conn.begin_twophase()
+        with store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "prepared inside"})
+            prepared.prepare()
+
+    with protected.connect() as conn, pytest.raises(ConfigurationError, match="commit refused"):
+        write_and_prepare(conn)
+    assert committed_values(protected) == ["initial"]
+    assert store.release(lease) == "released"
+
+
+def test_a_connection_without_a_transaction_is_fenced_in_one_sqlalchemy_begins(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """Before its first statement a Connection has no transaction: the check must not open one
+    behind SQLAlchemy's back, which ``commit()`` would not end."""
+    lease = acquire(store, "release-41")
+    with protected.connect() as conn:
+        with store.guard(lease, conn, action="nothing written"):
+            pass
+        assert conn.in_transaction()
+        conn.commit()
+        assert conn.connection.dbapi_connection.info.transaction_status == 0  # idle
+    assert store.release(lease) == "released"
+
+
+def touch_every_pooled_connection(engine: Engine) -> None:
+    """A write on each of the pool's connections at once: each must be idle, not in a
+    transaction left open or aborted, nor holding the lease row."""
+    with engine.connect() as a, engine.connect() as b, engine.connect() as c:
+        for conn in (a, b, c):
+            conn.execute(sa.text("UPDATE protected SET value = value"))
+            conn.commit()
+
+
+@pytest.mark.parametrize("lost", [False, True], ids=["held", "superseded"])
+def test_writes_after_a_rollback_inside_the_block_are_fenced(
+    store: LeaseStore, protected: Engine, lost: bool, expire_lease: Expire
+) -> None:
+    """A Session rolled back inside the block writes on another connection afterwards (here
+    its first went back to the pool, to somebody else): the check runs where the later writes
+    went, not on the connection the Session gave back."""
+    lease = acquire(store, "release-41")
+    if lost:
+        lose("superseded", store, lease, expire_lease)
+    with Session(protected) as session:
+        with (
+            pytest.raises(StaleEpochError) if lost else nullcontext(),
+            store.guard(lease, session, action="publish"),
+        ):
+            session.execute(UPDATE, {"value": "rolled back"})
+            session.rollback()
+            with protected.connect() as other:
+                other.exec_driver_sql("SELECT 1")  # the Session's first connection
+                session.execute(UPDATE, {"value": "after the rollback"})
+                with pytest.raises(ConfigurationError, match="commit refused"):
+                    session.commit()  # on its new connection: refused all the same
+        session.commit()
+    touch_every_pooled_connection(protected)
+    values = committed_values(protected)
+    assert values == ["initial"] + ([] if lost else ["after the rollback"]) + [values[-1]] * 3
+    if not lost:
+        assert store.release(lease) == "released"
+
+
+def test_a_scoped_session_is_fenced_like_its_session(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+    scoped = scoped_session(sessionmaker(protected))
+    try:
+        with pytest.raises(StaleEpochError), store.guard(lease, scoped, action="publish"):
+            scoped.execute(UPDATE, {"value": "stale"})
+        scoped.rollback()
+        expire_lease(NAME)
+        fresh = acquire(store, "release-43")
+        with store.guard(fresh, scoped, action="publish"):
+            scoped.execute(UPDATE, {"value": "published"})
+        scoped.commit()
+    finally:
+        scoped.remove()
+    assert committed_values(protected) == ["initial", "published"]
+
+
+def test_what_the_guard_cannot_fence_is_refused_before_the_block(
+    store: LeaseStore, protected: Engine, tmp_path: Path
+) -> None:
+    got = store.acquire(NAME, holder="release-41", ttl=300)
+    assert got.lease is not None
+    ran: list[str] = []
+
+    def body(lease: object, conn: object) -> None:
+        with store.guard(lease, conn, action="publish"):  # type: ignore[arg-type]
+            ran.append("body")
+
+    with protected.begin() as conn, pytest.raises(ConfigurationError) as caught:
+        body(got, conn)
+    assert str(caught.value) == (
+        "guard needs a Lease (an acquisition's .lease), got celery_fence.models.Acquisition"
+    )
+    sqlite = sa.create_engine(f"sqlite:///{tmp_path / 'other.db'}")
+    try:
+        with sqlite.begin() as conn, pytest.raises(ConfigurationError) as caught:
+            body(got.lease, conn)
+    finally:
+        sqlite.dispose()
+    assert "guard needs a connection through psycopg 3" in str(caught.value)
+    assert str(caught.value).endswith("got sqlite+pysqlite")
+    with protected.connect() as conn, pytest.raises(ConfigurationError) as caught:
+        body(got.lease, conn.connection.dbapi_connection)
+    assert str(caught.value) == (
+        "guard needs a SQLAlchemy Connection or Session, got psycopg.Connection"
+    )
+    with (
+        Session(binds={sa.Table("protected", sa.MetaData()): protected}) as several,
+        pytest.raises(ConfigurationError, match=r"session\.connection\(bind_arguments="),
+    ):
+        body(got.lease, several)
+    assert ran == []
+    assert store.release(got.lease) == "released"
+
+
+def test_a_guard_whose_connection_is_lost_during_the_check_raises_the_librarys_error(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """The check runs on the DB-API connection, behind SQLAlchemy's back: when the server ends
+    that connection during the check, SQLAlchemy is told, so that its rollback of the caller's
+    transaction does not fail in the error's place."""
+    lease = acquire(store, "release-41")
+    with ThreadPoolExecutor(1) as pool, protected.begin() as locker:
+        locker.execute(
+            sa.text("SELECT 1 FROM celery_fence.leases WHERE name = :name FOR UPDATE"),
+            {"name": NAME},
+        )
+        done, pid = blocked_write(pool, protected, guarded(store, lease, "lost"))
+        locker.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(FenceDatabaseError, match="terminating connection"):
+            done.result(timeout=WAIT)
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] + ["initial"] * 3
+
+
+def cut_off(admin: Engine, database: str, keep: int) -> None:
+    """Let no new connection into ``database`` and end every one there but ``keep``'s."""
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        others = sa.text(
+            "SELECT pid FROM pg_stat_activity WHERE datname = :database AND pid <> :keep"
+        )
+        for pid in conn.execute(others, {"database": database, "keep": keep}).scalars():
+            conn.execute(sa.text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": pid})
+
+
+@pytest.mark.parametrize("enforce", [True, False], ids=["enforce", "shadow"])
+def test_a_rejection_the_database_cannot_record_is_still_a_rejection(
+    store: LeaseStore,
+    protected: Engine,
+    expire_lease: Expire,
+    admin_engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+    enforce: bool,
+) -> None:
+    """When the store cannot reach the database to record a rejected write (its connections
+    ended, none can be opened), the write is rejected all the same (in shadow mode, let
+    through), logged and counted, and the missing record is logged."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+    database = str(protected.url.database)
+
+    def write() -> None:
+        with (
+            protected.begin() as conn,
+            store.guard(lease, conn, action="publish", enforce=enforce),
+        ):
+            conn.execute(UPDATE, {"value": "written"})
+            cut_off(admin_engine, database, keep=backend_pid(conn))
+
+    try:
+        if enforce:
+            with pytest.raises(StaleEpochError) as caught:
+                write()
+            assert (caught.value.reason, caught.value.owner) == ("superseded", None)
+        else:
+            write()
+    finally:
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+    assert store.metrics.get("rejected.superseded") == 1
+    assert (
+        "stale publish of lease release:prod epoch 1 not recorded: database error:" in caplog.text
+    )
+    assert committed_values(protected) == ["initial"] + ([] if enforce else ["written"])
     assert store.stale_runs() == []

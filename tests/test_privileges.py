@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from sqlalchemy.engine import make_url
 from test_docs import DOCS, blocks
 
-from celery_fence import FenceDatabaseError, LeaseStore, StaleEpochError
+from celery_fence import FenceDatabaseError, LeaseLostError, LeaseStore, StaleEpochError
 from celery_fence.cli import main
 from celery_fence.store import proof
 
@@ -109,8 +109,9 @@ def store_as() -> Iterator[Callable[[str], LeaseStore]]:
 
 def exercise(store: LeaseStore, name: str) -> None:
     """Everything the library does with the database, as one role: the start-up check,
-    acquire, renew, a fenced write, pause and resume, release, a rejected stale write and its
-    record, a continuation joining the lease, a beat slot claim, and every read."""
+    acquire, renew, a fenced write, pause and resume, release, a rejected stale renewal and a
+    rejected stale write and their records, a continuation joining the lease, a beat slot claim,
+    and every read."""
     store.check_schema()
     got = store.acquire(name, holder="deploy-1", ttl=30, purpose="release 42")
     assert got.lease is not None, got
@@ -132,13 +133,19 @@ def exercise(store: LeaseStore, name: str) -> None:
     assert store.claim_slot(lease, entry="plan", slot=slot, task="tasks.plan")
     assert [d.entry for d in store.dispatches(name)] == ["plan"]
     store.release(lease)
+    with pytest.raises(LeaseLostError):
+        store.renew(lease)  # recorded by the protocol function itself
     with (
         pytest.raises(StaleEpochError),
         store.engine.begin() as conn,
         store.guard(lease, conn, action="late publish"),
     ):
         conn.execute(sa.text("SELECT 1"))
-    assert [run.reason for run in store.stale_runs(lease_name=name)] == ["released"]
+    records = store.stale_runs(lease_name=name)
+    assert [(run.action, run.reason) for run in records] == [
+        ("late publish", "released"),
+        ("renew", "released"),
+    ]
     assert [entry.end_reason for entry in store.history(name)] == ["released"]
     assert store.released_by(name, since_epoch=lease.epoch, holder_prefix="deploy-")
     store.pause(name, reason="investigating", by="ops")
@@ -204,7 +211,7 @@ def test_a_reader_reads_history_stale_runs_and_dispatches_but_no_token(
     installed.run_as(OWNER, grants("reader"))
     reader = store_as(installed.url_for(READER))
     assert [entry.end_reason for entry in reader.history("release:prod")] == ["released"]
-    assert [run.reason for run in reader.stale_runs()] == ["released"]
+    assert [run.reason for run in reader.stale_runs()] == ["released", "released"]
     assert [d.entry for d in reader.dispatches("release:prod")] == ["plan"]
     for command in (["history", "release:prod"], ["stale-runs"]):
         result = CliRunner().invoke(main, ["--database-url", installed.url_for(READER), *command])
@@ -268,3 +275,37 @@ def test_what_another_role_puts_on_the_search_path_is_not_called(
         assert hijacked() == []
     finally:
         engine.dispose()
+
+
+def test_a_connection_refused_while_sqlalchemy_sets_it_up_gives_the_librarys_error(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    """A store opens its connections through SQLAlchemy, whose dialect runs queries of its own
+    on the first one; an error there is a database error of the call, as any other, and one line
+    from the CLI."""
+    installed.run_as(None, "REVOKE EXECUTE ON FUNCTION pg_catalog.version() FROM PUBLIC;")
+    with pytest.raises(FenceDatabaseError, match="permission denied for function version"):
+        store_as(installed.url_for(RUNTIME)).owner("release:prod")
+    result = CliRunner().invoke(main, ["--database-url", installed.url_for(RUNTIME), "status"])
+    assert result.exit_code == 1
+    assert result.output.startswith(
+        "Error: database error: permission denied for function version [database "
+    )
+    assert result.output.count("\n") == 1
+
+
+def test_a_failed_canary_race_leaves_no_lease_held(
+    installed: Roles, store_as: Callable[[str], LeaseStore]
+) -> None:
+    """Clients the server turns away fail the race; the one that won gives its lease back all
+    the same."""
+    installed.run_as(None, f"ALTER ROLE {RUNTIME} CONNECTION LIMIT 2;")
+    url = installed.url_for(RUNTIME)
+    result = CliRunner().invoke(main, ["--database-url", url, "canary", "--clients", "4"])
+    assert result.exit_code == 1
+    assert "canary: FAILED: " in result.output
+    assert "too many connections" in result.output
+    installed.run_as(None, f"ALTER ROLE {RUNTIME} CONNECTION LIMIT -1;")
+    owner = store_as(url).owner("canary")
+    assert owner is not None
+    assert not owner.held, owner

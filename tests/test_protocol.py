@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import ExitStack
 from datetime import datetime, timedelta, timezone
 from multiprocessing.queues import Queue
 from typing import Any
@@ -818,11 +819,16 @@ def test_a_protocol_connection_left_out_of_autocommit_is_not_reused(
         assert connection.info.backend_pid != lent
 
 
-def test_protocol_calls_beyond_twice_the_pool_size_wait_for_a_connection(engine: Engine) -> None:
-    store = LeaseStore(engine, pool_size=1)
+@pytest.mark.parametrize("max_connections", [None, 3], ids=["twice the pool size", "three"])
+def test_protocol_calls_beyond_max_connections_wait_for_a_connection(
+    engine: Engine, max_connections: int | None
+) -> None:
+    store = LeaseStore(engine, pool_size=1, max_connections=max_connections)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
-            with store.protocol_connection(), store.protocol_connection():
+            with ExitStack() as held:
+                for _ in range(max_connections or 2):
+                    held.enter_context(store.protocol_connection())
                 pending = pool.submit(store.owner, NAME)
                 done, _ = wait([pending], timeout=0.5)
                 assert not done

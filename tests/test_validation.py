@@ -271,6 +271,10 @@ BAD_STORES: dict[str, dict[str, Any]] = {
     "safety_margin negative": {"safety_margin": -0.1},
     "safety_margin bool": {"safety_margin": True},
     "default_environment empty": {"default_environment": ""},
+    "pool_size zero": {"pool_size": 0},
+    "max_connections below pool_size": {"pool_size": 3, "max_connections": 2},
+    "max_connections float": {"max_connections": 12.0},
+    "max_connections bool": {"pool_size": 1, "max_connections": True},
 }
 
 

@@ -909,7 +909,7 @@ def test_body_fences_its_writes_with_the_run_lease(
 
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT * FROM manifest").all() == [("prod", 7)]
-    assert fence.store.metrics.get("guard.committed") == 2
+    assert fence.store.metrics.get("guard.passed") == 2
     assert store.stale_runs() == []
 
 

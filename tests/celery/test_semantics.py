@@ -439,7 +439,7 @@ def test_guard_refuses_an_autocommit_connection_before_the_body(
 
     assert manifest_rows(manifest) == []
     assert store.stale_runs() == []
-    assert store.metrics.get("guard.committed") == 0
+    assert store.metrics.get("guard.passed") == 0
 
 
 # -- the keeper -----------------------------------------------------------------------------
@@ -604,6 +604,56 @@ def test_a_renewal_kept_waiting_by_a_fenced_writer_does_not_hold_up_the_other_le
     assert blocked.lease.expires_at > blocked_lease.expires_at
     assert manifest_rows(manifest) == [("prod", 1)]
     assert store.stale_runs() == []
+
+
+@pytest.mark.usefixtures("renewals")
+def test_the_other_leases_are_renewed_while_a_renewal_waits_for_a_fenced_writer(
+    store: LeaseStore, manifest: Engine, wait: Wait
+) -> None:
+    """A renewal waiting for its lease's row (up to the lock timeout, behind a fenced writer's
+    open transaction) does not hold up the renewals due meanwhile: a lease renewed every tenth of
+    a second is renewed again and again during that one wait."""
+    renewing = LeaseStore(store.engine, lock_timeout=3.0, pool_size=1, max_connections=8)
+    events: list[tuple[str, str]] = []
+
+    def refresh(current: Lease) -> Lease:
+        events.append(("start", current.name))
+        lease = renewing.renew(current)
+        events.append(("done", current.name))
+        return lease
+
+    blocked_lease = take(store, name="keeper:blocked")
+    free_lease = take(store, name="keeper:free")
+    try:
+        with (
+            LeaseKeeper(blocked_lease, refresh, interval=0.1) as blocked,
+            LeaseKeeper(free_lease, refresh, interval=0.1) as free,
+            manifest.begin() as conn,
+        ):
+            with store.guard(blocked_lease, conn, action="publish manifest"):
+                conn.execute(INSERT, {"environment": "prod", "release": 1})
+            # The blocked lease's row stays locked FOR SHARE until this transaction ends.
+            since = len(events)
+
+            def free_renewals_during_the_wait() -> int:
+                later = events[since:]
+                if ("start", "keeper:blocked") not in later:
+                    return 0
+                during = later[later.index(("start", "keeper:blocked")) :]
+                return during.count(("done", "keeper:free"))
+
+            wait.until(
+                lambda: free_renewals_during_the_wait() >= 3,
+                what="three renewals of the free lease while the other's renewal waits",
+            )
+            assert renewing.metrics.get("renew.busy") == 0  # still in its first wait
+            assert ("done", "keeper:blocked") not in events[since:]
+        wait.until(lambda: ("done", "keeper:blocked") in events[since:], what="the blocked renewal")
+        assert blocked.held
+        assert free.held
+    finally:
+        renewing.dispose()
+    assert manifest_rows(manifest) == [("prod", 1)]
 
 
 def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
