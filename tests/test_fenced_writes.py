@@ -1128,6 +1128,21 @@ def test_a_commit_inside_the_guard_block_is_refused_and_nothing_commits(
         assert store.release(lease) == "released"  # at once: the lease row is not locked
 
 
+@contextmanager
+def session_guarded(
+    store: LeaseStore, engine: Engine, lease: Lease, *, lost: bool
+) -> Iterator[Session]:
+    """A Session in a guard block, committed after it; the guard's ``StaleEpochError`` is
+    expected (and the commit then commits nothing) when the lease is ``lost``."""
+    with Session(engine) as session:
+        with (
+            pytest.raises(StaleEpochError) if lost else nullcontext(),
+            store.guard(lease, session, action="publish"),
+        ):
+            yield session
+        session.commit()
+
+
 @pytest.mark.parametrize("lost", [False, True], ids=["held", "superseded"])
 def test_a_sessions_refused_commit_leaves_its_transaction_to_the_check(
     store: LeaseStore, protected: Engine, lost: bool, expire_lease: Expire
@@ -1137,16 +1152,11 @@ def test_a_sessions_refused_commit_leaves_its_transaction_to_the_check(
     lease = acquire(store, "release-41")
     if lost:
         lose("superseded", store, lease, expire_lease)
-    with Session(protected) as session:
-        with (
-            pytest.raises(StaleEpochError) if lost else nullcontext(),
-            store.guard(lease, session, action="publish"),
-        ):
-            session.execute(UPDATE, {"value": "before"})
-            with pytest.raises(ConfigurationError, match="commit refused"):
-                session.commit()
-            session.execute(UPDATE, {"value": "after"})
-        session.commit()
+    with session_guarded(store, protected, lease, lost=lost) as session:
+        session.execute(UPDATE, {"value": "before"})
+        with pytest.raises(ConfigurationError, match="commit refused"):
+            session.commit()
+        session.execute(UPDATE, {"value": "after"})
     assert committed_values(protected) == ["initial"] + ([] if lost else ["before", "after"])
 
 
@@ -1244,19 +1254,14 @@ def test_writes_after_a_rollback_inside_the_block_are_fenced(
     lease = acquire(store, "release-41")
     if lost:
         lose("superseded", store, lease, expire_lease)
-    with Session(protected) as session:
-        with (
-            pytest.raises(StaleEpochError) if lost else nullcontext(),
-            store.guard(lease, session, action="publish"),
-        ):
-            session.execute(UPDATE, {"value": "rolled back"})
-            session.rollback()
-            with protected.connect() as other:
-                other.exec_driver_sql("SELECT 1")  # the Session's first connection
-                session.execute(UPDATE, {"value": "after the rollback"})
-                with pytest.raises(ConfigurationError, match="commit refused"):
-                    session.commit()  # on its new connection: refused all the same
-        session.commit()
+    with session_guarded(store, protected, lease, lost=lost) as session:
+        session.execute(UPDATE, {"value": "rolled back"})
+        session.rollback()
+        with protected.connect() as other:
+            other.exec_driver_sql("SELECT 1")  # the Session's first connection
+            session.execute(UPDATE, {"value": "after the rollback"})
+            with pytest.raises(ConfigurationError, match="commit refused"):
+                session.commit()  # on its new connection: refused all the same
     touch_every_pooled_connection(protected)
     values = committed_values(protected)
     assert values == ["initial"] + ([] if lost else ["after the rollback"]) + [values[-1]] * 3

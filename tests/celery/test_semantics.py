@@ -564,56 +564,11 @@ def test_stopped_keepers_leave_the_queue_without_a_renewal_attempt(
 def test_a_renewal_kept_waiting_by_a_fenced_writer_does_not_hold_up_the_other_leases(
     store: LeaseStore, manifest: Engine, wait: Wait
 ) -> None:
-    """One thread renews every lease of a process. A renewal waiting for its lease's row behind
-    a fenced writer's open transaction gives up after ``lock_timeout`` and is tried again, and
-    the other leases are renewed in the meantime."""
-    renewing = LeaseStore(store.engine, lock_timeout=0.2, pool_size=1)
-    renewed: list[str] = []
-
-    def refresh(current: Lease) -> Lease:
-        lease = renewing.renew(current)
-        renewed.append(lease.name)
-        return lease
-
-    blocked_lease = take(store, name="keeper:blocked")
-    free_lease = take(store, name="keeper:free")
-    try:
-        with (
-            LeaseKeeper(blocked_lease, refresh, interval=0.1) as blocked,
-            LeaseKeeper(free_lease, refresh, interval=0.1) as free,
-        ):
-            with manifest.begin() as conn:
-                with store.guard(blocked_lease, conn, action="publish manifest"):
-                    conn.execute(INSERT, {"environment": "prod", "release": 1})
-                # The blocked lease's row stays locked FOR SHARE until this transaction ends.
-                wait.until(
-                    lambda: (
-                        renewing.metrics.get("renew.busy") >= 2
-                        and renewed.count("keeper:free") >= 3
-                    ),
-                    what="the free lease's renewals while the other's row is locked",
-                )
-                assert "keeper:blocked" not in renewed
-            wait.until(lambda: "keeper:blocked" in renewed, what="the blocked lease's renewal")
-            assert blocked.held
-            assert free.held
-    finally:
-        renewing.dispose()
-
-    assert blocked.lease.epoch == blocked_lease.epoch
-    assert blocked.lease.expires_at > blocked_lease.expires_at
-    assert manifest_rows(manifest) == [("prod", 1)]
-    assert store.stale_runs() == []
-
-
-@pytest.mark.usefixtures("renewals")
-def test_the_other_leases_are_renewed_while_a_renewal_waits_for_a_fenced_writer(
-    store: LeaseStore, manifest: Engine, wait: Wait
-) -> None:
-    """A renewal waiting for its lease's row (up to the lock timeout, behind a fenced writer's
-    open transaction) does not hold up the renewals due meanwhile: a lease renewed every tenth of
-    a second is renewed again and again during that one wait."""
-    renewing = LeaseStore(store.engine, lock_timeout=3.0, pool_size=1, max_connections=8)
+    """A renewal waiting for its lease's row behind a fenced writer's open transaction gives up
+    after ``lock_timeout`` and is tried again. The other leases' renewals go on meanwhile, on
+    other renewer threads, also during each single wait: a lease renewed every tenth of a second
+    is renewed again and again while the first wait lasts."""
+    renewing = LeaseStore(store.engine, lock_timeout=1.5, pool_size=1, max_connections=8)
     events: list[tuple[str, str]] = []
 
     def refresh(current: Lease) -> Lease:
@@ -628,32 +583,43 @@ def test_the_other_leases_are_renewed_while_a_renewal_waits_for_a_fenced_writer(
         with (
             LeaseKeeper(blocked_lease, refresh, interval=0.1) as blocked,
             LeaseKeeper(free_lease, refresh, interval=0.1) as free,
-            manifest.begin() as conn,
         ):
-            with store.guard(blocked_lease, conn, action="publish manifest"):
-                conn.execute(INSERT, {"environment": "prod", "release": 1})
-            # The blocked lease's row stays locked FOR SHARE until this transaction ends.
-            since = len(events)
+            with manifest.begin() as conn:
+                with store.guard(blocked_lease, conn, action="publish manifest"):
+                    conn.execute(INSERT, {"environment": "prod", "release": 1})
+                # The blocked lease's row stays locked FOR SHARE until this transaction ends.
+                since = len(events)
 
-            def free_renewals_during_the_wait() -> int:
-                later = events[since:]
-                if ("start", "keeper:blocked") not in later:
-                    return 0
-                during = later[later.index(("start", "keeper:blocked")) :]
-                return during.count(("done", "keeper:free"))
+                def free_renewals_during_the_first_wait() -> int:
+                    later = events[since:]
+                    if ("start", "keeper:blocked") not in later:
+                        return 0
+                    during = later[later.index(("start", "keeper:blocked")) :]
+                    return during.count(("done", "keeper:free"))
 
+                wait.until(
+                    lambda: free_renewals_during_the_first_wait() >= 3,
+                    what="three renewals of the free lease while the other's renewal waits",
+                )
+                assert renewing.metrics.get("renew.busy") == 0  # still in its first wait
+                wait.until(
+                    lambda: renewing.metrics.get("renew.busy") >= 2,
+                    what="two renewals of the blocked lease given up after the lock timeout",
+                )
+                assert ("done", "keeper:blocked") not in events[since:]
             wait.until(
-                lambda: free_renewals_during_the_wait() >= 3,
-                what="three renewals of the free lease while the other's renewal waits",
+                lambda: ("done", "keeper:blocked") in events[since:],
+                what="the blocked lease's renewal",
             )
-            assert renewing.metrics.get("renew.busy") == 0  # still in its first wait
-            assert ("done", "keeper:blocked") not in events[since:]
-        wait.until(lambda: ("done", "keeper:blocked") in events[since:], what="the blocked renewal")
-        assert blocked.held
-        assert free.held
+            assert blocked.held
+            assert free.held
     finally:
         renewing.dispose()
+
+    assert blocked.lease.epoch == blocked_lease.epoch
+    assert blocked.lease.expires_at > blocked_lease.expires_at
     assert manifest_rows(manifest) == [("prod", 1)]
+    assert store.stale_runs() == []
 
 
 def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
