@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime
 from typing import Any, Literal, get_args
 
@@ -587,6 +587,19 @@ class LeaseStore:
             safety_margin=self.safety_margin,
             default_environment=self.default_environment,
         )
+
+    @contextmanager
+    def begin(self) -> Iterator[sa.Connection]:
+        """A transaction on the store's engine, as ``engine.begin()``: committed when the block
+        ends, rolled back if it raises. Failing to open it (no connection from the engine's pool
+        within its ``pool_timeout``, the database unreachable) raises
+        :class:`FenceDatabaseError`; what the block and its commit raise is raised as it is."""
+        with ExitStack() as opened:
+            try:
+                conn = opened.enter_context(self.engine.begin())
+            except (sa.exc.TimeoutError, sa.exc.DBAPIError) as exc:
+                raise _wrap(exc) from exc
+            yield conn
 
     @contextmanager
     def protocol_connection(self) -> Iterator[Any]:

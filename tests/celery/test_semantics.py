@@ -24,6 +24,7 @@ from sqlalchemy.engine import Engine
 from celery_fence import (
     Acquisition,
     ConfigurationError,
+    FenceDatabaseError,
     Lease,
     LeaseBusyError,
     LeaseLostError,
@@ -31,9 +32,9 @@ from celery_fence import (
     StaleEpochError,
 )
 from celery_fence import keeper as keeper_module
-from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FenceHeader
+from celery_fence.contrib.celery import HEADER, SKIPPED, Fence, FencedRun, FenceHeader
 from celery_fence.keeper import LeaseKeeper
-from celery_fence.store import Mode
+from celery_fence.store import Mode, engine_from_url
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -440,6 +441,29 @@ def test_guard_refuses_an_autocommit_connection_before_the_body(
     assert manifest_rows(manifest) == []
     assert store.stale_runs() == []
     assert store.metrics.get("guard.passed") == 0
+
+
+def test_a_run_whose_guard_cannot_get_a_connection_fails_with_the_librarys_error(
+    database_url: str, manifest: Engine
+) -> None:
+    """``fence.guard()`` opens its transaction on the store's engine: with every pooled
+    connection taken (a threads or gevent worker busier than the pool) and none back within the
+    pool's timeout, the run gets ``FenceDatabaseError``, as for any database failure."""
+    engine = engine_from_url(database_url, pool_size=1, max_overflow=0, pool_timeout=0.2)
+    store = LeaseStore(engine)
+    run = FencedRun(store=store, mode="owner", enforced=True, lease=take(store))
+
+    def publish(release: int) -> None:
+        with run.guard("publish manifest") as conn:
+            conn.execute(INSERT, {"environment": "prod", "release": release})
+
+    try:
+        with engine.connect(), pytest.raises(FenceDatabaseError, match="QueuePool limit"):
+            publish(1)  # the pool's one connection is taken
+        publish(2)
+    finally:
+        store.dispose()
+    assert manifest_rows(manifest) == [("prod", 2)]
 
 
 # -- the keeper -----------------------------------------------------------------------------

@@ -121,12 +121,13 @@ class FencedRun:
     def guard(self, action: str, conn: Executor | None = None) -> Iterator[Executor]:
         """Fence the writes made in the block (see :meth:`LeaseStore.guard`).
 
-        Without ``conn``, a transaction on the fence database is opened and yielded; with a
-        SQLAlchemy ``Connection`` or ``Session`` of your own, its current transaction is fenced.
+        Without ``conn``, a transaction on the fence database is opened
+        (:meth:`LeaseStore.begin`) and yielded; with a SQLAlchemy ``Connection`` or ``Session``
+        of your own, its current transaction is fenced.
         """
         lease = self.lease
         if conn is None:
-            with self.store.engine.begin() as own, self._guard(lease, own, action):
+            with self.store.begin() as own, self._guard(lease, own, action):
                 yield own
         else:
             with self._guard(lease, conn, action):
