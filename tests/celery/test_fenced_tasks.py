@@ -443,6 +443,29 @@ def test_busy_retry_runs_once_the_owner_is_gone(
     assert fence.store.metrics.get("busy.retry") == 1
 
 
+def test_a_run_behind_a_lock_on_the_lease_table_is_retried_not_skipped(
+    app: Celery, fence: Fence, worker: StartWorker, engine: Engine, store: LeaseStore, wait: Wait
+) -> None:
+    """Behind a lock on the whole lease table (maintenance) the acquisition cannot tell whether
+    anyone holds the lease: a run that would skip a held lease is tried again instead."""
+    app.conf.fence_lock_timeout = 0.2
+
+    @fence.task(lease="release:{environment}", on_busy="skip")
+    def publish(environment: str) -> int:
+        return fence.current().epoch
+
+    with worker():
+        with engine.begin() as maintenance:
+            maintenance.exec_driver_sql("LOCK TABLE celery_fence.leases IN ACCESS EXCLUSIVE MODE")
+            result = publish.delay("prod")
+            wait.until(lambda: result.state == states.RETRY, what="the busy run to be retried")
+        assert wait.outcome(result) == 1
+
+    assert fence.store.metrics.get("busy.retry") == 1
+    assert fence.store.metrics.get("busy.skip") == 0
+    assert [entry.epoch for entry in store.history(NAME)] == [1]
+
+
 def test_busy_retries_are_counted_apart_from_the_task_own_retries(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:

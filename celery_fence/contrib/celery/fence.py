@@ -891,6 +891,11 @@ class FencedTask(Task):  # type: ignore[misc]
             self._retry_busy(
                 f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
             )
+        if reason == "busy" and owner is None and policy == "skip" and retries:
+            # A lock on the whole lease table (a VACUUM FULL, a migration) kept the acquisition
+            # and the owner's read waiting: whether anyone holds the lease is not known, so the
+            # run is not skipped but tried again, a second later.
+            policy = "retry"
         if policy == "retry" and not retries:
             policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
