@@ -23,7 +23,7 @@ MIN_WAIT = 0.05
 #: (for the fenced transactions open on its lease, up to the lock timeout) holds up its own
 #: lease's renewals only. Renewals due beyond that wait for one in flight to end. The renewals'
 #: store needs as many connections (``LeaseStore.dedicated()`` opens up to as many).
-RENEWALS_AT_ONCE = 8
+RENEWALS_AT_ONCE = 32
 
 
 def next_attempt(lease: Lease, interval: float) -> float:
@@ -218,15 +218,21 @@ class _Renewals:
             self._ready.put(keeper)
 
     def _renew(self) -> None:
-        while True:
-            keeper = self._ready.get()
-            try:
-                wait = keeper.renew_once()
-            finally:
-                with self._wake:
-                    self._in_flight -= 1
-            if wait is not None:
-                self.schedule(keeper, time.monotonic() + wait)
+        try:
+            while True:
+                keeper = self._ready.get()
+                try:
+                    wait = keeper.renew_once()
+                finally:
+                    with self._wake:
+                        self._in_flight -= 1
+                if wait is not None:
+                    self.schedule(keeper, time.monotonic() + wait)
+        finally:
+            # Ended by what a renewal let through (renew_once() catches every Exception): the
+            # next renewal due starts another renewer in its place.
+            with self._wake:
+                self._renewers -= 1
 
 
 _renewals = _Renewals()

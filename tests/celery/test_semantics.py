@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -592,7 +593,12 @@ def test_a_renewal_kept_waiting_by_a_fenced_writer_does_not_hold_up_the_other_le
     after ``lock_timeout`` and is tried again. The other leases' renewals go on meanwhile, on
     other renewer threads, also during each single wait: a lease renewed every tenth of a second
     is renewed again and again while the first wait lasts."""
-    renewing = LeaseStore(store.engine, lock_timeout=1.5, pool_size=1, max_connections=8)
+    renewing = LeaseStore(
+        store.engine,
+        lock_timeout=1.5,
+        pool_size=1,
+        max_connections=keeper_module.RENEWALS_AT_ONCE,
+    )
     events: list[tuple[str, str]] = []
 
     def refresh(current: Lease) -> Lease:
@@ -644,6 +650,31 @@ def test_a_renewal_kept_waiting_by_a_fenced_writer_does_not_hold_up_the_other_le
     assert blocked.lease.expires_at > blocked_lease.expires_at
     assert manifest_rows(manifest) == [("prod", 1)]
     assert store.stale_runs() == []
+
+
+class Halt(BaseException):
+    """Something a renewal lets through: not an ``Exception``, as ``GreenletExit`` is not."""
+
+
+@pytest.mark.usefixtures("renewals")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_renewals_go_on_after_a_renewal_ended_its_renewer_thread(
+    store: LeaseStore, wait: Wait
+) -> None:
+    halted = threading.Event()
+
+    def halt(current: Lease) -> Lease:
+        halted.set()
+        raise Halt
+
+    renewals = keeper_module._renewals
+    doomed = LeaseKeeper(take(store, name="keeper:doomed"), halt, interval=0.05).start()
+    wait.until(lambda: halted.is_set() and renewals._renewers == 0, what="the renewer to end")
+    doomed.stop()
+    later_lease = take(store, name="keeper:later")
+    with LeaseKeeper(later_lease, store.renew, interval=0.05) as later:
+        wait.until(lambda: later.lease is not later_lease, what="a renewal by another renewer")
+        assert later.held
 
 
 def test_keeper_keeps_the_lease_when_a_retry_after_an_unexpected_error_renews(
