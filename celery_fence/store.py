@@ -981,7 +981,9 @@ class LeaseStore:
         SHARE`` and checked: the writes can then commit only while the epoch still holds, and no
         acquisition can replace the lease until they have. A stale epoch raises
         :class:`StaleEpochError`, which rolls the caller's transaction back; the stale run is
-        recorded on the store's own connection, so the record survives that rollback.
+        recorded on the store's own connection, so the record survives that rollback. The
+        commit comes after the block: one inside it (of ``conn``'s transaction) is refused with
+        :class:`ConfigurationError`.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
         blocked, and a stale write is recorded once (the database's reason, else ``expired``
