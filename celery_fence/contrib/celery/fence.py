@@ -514,7 +514,10 @@ class Fence:
         delivery of its message ran to its end, see :meth:`FencedTask.refuse`), or, in shadow
         mode, the run goes ahead unfenced, logged and counted."""
         if enforced:
-            task.refuse(name, got, done=done)
+            # A busy answer with no owner: a lock on the whole lease table (a VACUUM FULL, a
+            # migration) kept the call and the owner's read waiting.
+            unknown = got.outcome == "busy" and got.owner is None
+            task.refuse(name, got, done=done, holder_unknown=unknown)
         self._would_refuse(task, name, got)
         return FencedRun(store=self.store, mode=mode, enforced=False)
 
@@ -829,10 +832,14 @@ class FencedTask(Task):  # type: ignore[misc]
                 f"{hold:g}s{bound}, so the lease would end before the task could"
             )
 
-    def refuse(self, name: str, got: Acquisition, *, done: bool = False) -> NoReturn:
+    def refuse(
+        self, name: str, got: Acquisition, *, done: bool = False, holder_unknown: bool = False
+    ) -> NoReturn:
         """Apply the busy policy to a refused acquisition: skip, retry or raise. A redelivery
         whose earlier delivery holds the lease waits for it whatever the policy, and is dropped
-        once that delivery ran to its end (``done``, as :meth:`finished_before` found)."""
+        once that delivery ran to its end (``done``, as :meth:`finished_before` found). A run
+        that cannot tell whether anyone holds the lease (``holder_unknown``) is not skipped but
+        retried."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -891,11 +898,8 @@ class FencedTask(Task):  # type: ignore[misc]
             self._retry_busy(
                 f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
             )
-        if reason == "busy" and owner is None and policy == "skip" and retries:
-            # A lock on the whole lease table (a VACUUM FULL, a migration) kept the acquisition
-            # and the owner's read waiting: whether anyone holds the lease is not known, so the
-            # run is not skipped but tried again, a second later.
-            policy = "retry"
+        if holder_unknown and policy == "skip" and retries:
+            policy = "retry"  # a second later: there is no owner's expiry to wait for
         if policy == "retry" and not retries:
             policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
