@@ -60,22 +60,9 @@ _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
 _SCHEMA_OBJECT = re.compile(r'(?<![\w"])"?celery_fence"?\.|schema "celery_fence"')
 _INVALID_ARGUMENT = {"22023"}
 _OWNER_FIELDS = (
-    "name",
-    "environment",
-    "holder",
-    "purpose",
-    "epoch",
-    "state",
-    "acquired_at",
-    "renewed_at",
-    "expires_at",
-    "hold_until",
-    "released_at",
-    "paused",
-    "paused_reason",
-    "paused_by",
-    "paused_at",
-)
+    "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
+    "expires_at", "hold_until", "released_at", "paused", "paused_reason", "paused_by", "paused_at",
+)  # fmt: skip
 
 
 #: The longest schedule entry name: ``claim_slot``'s action, ``dispatch <entry> for <slot>``, names
@@ -488,6 +475,11 @@ def _cursor(conn: sa.Connection) -> Any:
     return cursor
 
 
+def _kept_waiting(error: FenceDatabaseError) -> bool:
+    """Whether ``error`` ended a call that waited past its lock timeout for a lock."""
+    return error.__cause__ is not None and _sqlstate(error.__cause__) == _LOCK_NOT_AVAILABLE
+
+
 def _owner_of(rows: list[dict[str, Any]]) -> Owner | None:
     """The owner ``celery_fence.owner()`` answered."""
     return _owner(rows[0]) if rows else None
@@ -782,26 +774,16 @@ class LeaseStore:
         wait for)."""
         params = {"name": name, "now": self._now()}
         try:
-            cursor, generation = self._connections.checkout()
-            try:
-                with cursor.connection.transaction():
-                    cursor.execute(
-                        "SELECT pg_catalog.set_config('lock_timeout', %s, true)",
-                        (_sql.milliseconds(lock_timeout),),
-                    )
-                    rows = self._run(cursor, "owner", params)
-            finally:
-                self._connections.checkin(cursor, generation)
-        except self._driver_errors as exc:
-            if _sqlstate(exc) != _LOCK_NOT_AVAILABLE:
-                raise _wrap(exc) from exc
+            return _owner_of(self._rows("owner", params, lock_timeout=lock_timeout))
+        except FenceDatabaseError as exc:
+            if not _kept_waiting(exc):
+                raise
             return None
-        return _owner_of(rows)
 
     def _check_busy(self, name: str, error: FenceDatabaseError, call: str) -> None:
         """Log and count ``error`` if it ended a call that waited past ``lock_timeout`` for the
         lease's row; raise it again if it is any other database error."""
-        if error.__cause__ is None or _sqlstate(error.__cause__) != _LOCK_NOT_AVAILABLE:
+        if not _kept_waiting(error):
             raise error
         self.metrics.incr(f"{call}.busy")
         log.info(
@@ -1374,14 +1356,24 @@ class LeaseStore:
             deadline=started + trusted_for,
         )
 
-    def _rows(self, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _rows(
+        self, query: str, params: Mapping[str, Any], *, lock_timeout: float | None = None
+    ) -> list[dict[str, Any]]:
         """Run a named query in autocommit on one of the store's own connections; wrap driver
-        errors."""
+        errors. With ``lock_timeout`` (seconds), the query runs in a transaction of its own whose
+        lock waits are bounded by it."""
         try:
             # What _Connections.connection() does, without a generator on every call.
             cursor, generation = self._connections.checkout()
             try:
-                return self._run(cursor, query, params)
+                if lock_timeout is None:
+                    return self._run(cursor, query, params)
+                with cursor.connection.transaction():
+                    cursor.execute(
+                        "SELECT pg_catalog.set_config('lock_timeout', %s, true)",
+                        (_sql.milliseconds(lock_timeout),),
+                    )
+                    return self._run(cursor, query, params)
             finally:
                 self._connections.checkin(cursor, generation)
         except self._driver_errors as exc:
