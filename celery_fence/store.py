@@ -42,6 +42,9 @@ _STALE_REASONS = ("expired", "superseded", "released", "paused", "forged", "miss
 # Where _cursor() keeps its cursor in a pooled connection's info.
 _CURSOR_INFO = "celery_fence.cursor"
 _LOCK_NOT_AVAILABLE = "55P03"
+# The server ended a session left idle in a transaction past its idle limit, which a passed fence
+# check sets to the time its lease has left (see celery_fence.fence).
+_IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 _STALE_EPOCH = "CF001"
 _SERIALIZATION_FAILURE = "40001"
 # The stale reason of a lease the check found no row for.
@@ -362,11 +365,17 @@ _EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
 
 # The Connections and Sessions inside guard blocks, each with how many: their commits are refused.
 _GUARDED: weakref.WeakKeyDictionary[sa.Connection | Session, int] = weakref.WeakKeyDictionary()
-# The engines whose Connections' commits are watched (listened to once each), and whether the
-# Sessions' are.
+# The engines whose Connections' commits are watched, and those whose transactions' ends are
+# (listened to once each), and whether the Sessions' commits are.
 _WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+_ENDS_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _watching_sessions = False
 _WATCH_LOCK = threading.Lock()
+# The fence checks passed in each Connection's current transaction (the store that checked, the
+# lease, the action): each left the transaction an idle limit that ends its session at the
+# lease's expiry.
+_Checked = tuple["LeaseStore", Lease, str]
+_CHECKED: weakref.WeakKeyDictionary[sa.Connection, list[_Checked]] = weakref.WeakKeyDictionary()
 
 
 def _commit_refused() -> ConfigurationError:
@@ -397,6 +406,19 @@ def _refuse_session_commit(session: Session) -> None:
         raise _commit_refused()
 
 
+def _listen_once(
+    engine: Engine, watched: weakref.WeakSet[Engine], *listeners: tuple[str, Callable[..., Any]]
+) -> None:
+    """Listen to ``engine``'s events with ``listeners`` (event name, function) unless it is in
+    ``watched`` already; then it is."""
+    if engine not in watched:
+        with _WATCH_LOCK:
+            if engine not in watched:
+                for event, listener in listeners:
+                    sa.event.listen(engine, event, listener)
+                watched.add(engine)
+
+
 def _watch_commits(guarded: sa.Connection | Session) -> None:
     global _watching_sessions
     if isinstance(guarded, Session):
@@ -406,13 +428,41 @@ def _watch_commits(guarded: sa.Connection | Session) -> None:
                     sa.event.listen(Session, "before_commit", _refuse_session_commit)
                     _watching_sessions = True
         return
-    engine = guarded.engine
-    if engine not in _WATCHED_ENGINES:
-        with _WATCH_LOCK:
-            if engine not in _WATCHED_ENGINES:
-                sa.event.listen(engine, "commit", _refuse_commit)
-                sa.event.listen(engine, "prepare_twophase", _refuse_commit)
-                _WATCHED_ENGINES.add(engine)
+    _listen_once(
+        guarded.engine,
+        _WATCHED_ENGINES,
+        ("commit", _refuse_commit),
+        ("prepare_twophase", _refuse_commit),
+    )
+
+
+def _forget_checks(conn: sa.Connection, *_: Any) -> None:
+    """A transaction begins or rolls back on ``conn``: no check of an earlier one applies."""
+    _CHECKED.pop(conn, None)
+
+
+def _ended_idle(context: sa.engine.ExceptionContext) -> None:
+    """A ``handle_error`` listener: the commit or statement of a transaction whose session the
+    server ended for idling past a checked lease's expiry raises the rejection of its fenced
+    writes (see :meth:`LeaseStore.guard`) in place of the driver's error."""
+    conn = context.connection
+    if conn is None or _sqlstate(context.original_exception) != _IDLE_IN_TRANSACTION_TIMEOUT:
+        return
+    rejection = _idle_rejection(_CHECKED.pop(conn, []))
+    if rejection is not None:
+        raise rejection
+
+
+def _idle_rejection(checked: list[_Checked]) -> StaleEpochError | None:
+    """The rejection of the writes fenced by ``checked`` in a transaction the server ended for
+    idling: every lease among them judged stale now is recorded, and the first one's error
+    returned; ``None`` while all still hold (the session's own idle limit, shorter than theirs,
+    ended it) or when none can be judged."""
+    rejection = None
+    for store, lease, action in checked:
+        error = store._rejected_after_idling(lease, action)
+        rejection = rejection or error
+    return rejection
 
 
 def _after_fork_in_child() -> None:
@@ -1007,18 +1057,37 @@ class LeaseStore:
         connection = _connection(guarded)
         cursor = _cursor(connection)
         try:
-            self._check_fence(lease, cursor, action, enforce=enforce, trusted=trusted)
+            self._check_fence(lease, connection, cursor, action, enforce=enforce, trusted=trusted)
         except BaseException:
             if cursor.connection.broken:
                 # Lost during the check, which SQLAlchemy did not see: without this, its
                 # rollback of the caller's transaction would fail in place of the error.
                 connection.invalidate()
             raise
+        if enforce and self.clock is None:
+            # The check left an idle limit (an injected clock sets none): if the server ends the
+            # session for it, the commit fails with this write's rejection.
+            _listen_once(
+                connection.engine,
+                _ENDS_WATCHED_ENGINES,
+                ("begin", _forget_checks),
+                ("rollback", _forget_checks),
+                ("handle_error", _ended_idle),
+            )
+            _CHECKED.setdefault(connection, []).append((self, lease, action))
 
     def _check_fence(
-        self, lease: Lease, cursor: Any, action: str, *, enforce: bool, trusted: bool
+        self,
+        lease: Lease,
+        connection: sa.Connection,
+        cursor: Any,
+        action: str,
+        *,
+        enforce: bool,
+        trusted: bool,
     ) -> None:
-        """The check at the end of a guard block, on ``cursor`` in the caller's transaction."""
+        """The check at the end of a guard block, on ``cursor`` in the caller's transaction on
+        ``connection``."""
         params = {
             "name": lease.name,
             "epoch": lease.epoch,
@@ -1035,6 +1104,12 @@ class LeaseStore:
         try:
             self._run(cursor, "fence", params)
         except self._driver_errors as exc:
+            if _sqlstate(exc) == _IDLE_IN_TRANSACTION_TIMEOUT:
+                # Ended idling past an earlier check's lease, or this one's.
+                checked = [*_CHECKED.pop(connection, []), (self, lease, action)]
+                rejection = _idle_rejection(checked)
+                if rejection is not None:
+                    raise rejection from exc
             reason = self._fence_failure(exc, params)
             if reason is None:
                 state = _sqlstate(exc)
@@ -1071,6 +1146,34 @@ class LeaseStore:
             owner = None
         return StaleEpochError(
             message, lease_name=lease.name, epoch=lease.epoch, owner=owner, reason=reason
+        )
+
+    def _rejected_after_idling(self, lease: Lease, action: str) -> StaleEpochError | None:
+        """The rejection, once recorded, of a write fenced by ``lease`` whose session the server
+        ended for idling in its transaction, if the lease is stale by now (judged on the store's
+        own connection); ``None`` while it still holds or when it cannot be judged."""
+        params = {"name": lease.name, "epoch": lease.epoch, "token": lease.token, "now": None}
+        try:
+            reason = self._judged_afresh(params)
+        except FenceDatabaseError as exc:
+            log.warning(
+                "lease %s epoch %s could not be judged after the server ended an idle fenced "
+                "transaction: %s",
+                lease.name,
+                lease.epoch,
+                exc,
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
+            return None
+        if reason is None:
+            return None
+        return self._stale(
+            lease,
+            reason,
+            action,
+            f"fenced write {action!r} rejected: the server ended its transaction, left idle "
+            f"after the check past the expiry of lease {lease.name} epoch {lease.epoch}, "
+            f"which is {reason}",
         )
 
     def _elsewhere(self, cursor: Any) -> str:

@@ -8,6 +8,7 @@ a successor must never commit after the successor's epoch exists.
 from __future__ import annotations
 
 import dataclasses
+import select
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from freezegun import freeze_time
@@ -147,6 +149,117 @@ def test_a_fence_limits_idleness_to_its_leases_time_left_and_never_loosens_a_lim
         conn.exec_driver_sql("RESET idle_in_transaction_session_timeout")
         conn.commit()
     assert committed_values(protected) == ["initial", "first", "second", "third", "fourth"]
+
+
+def expire_soon(engine: Engine, name: str, milliseconds: int) -> None:
+    """Make a held lease expire ``milliseconds`` from now by the database clock (its row aged
+    in SQL), so that the idle limit a fence check sets is that short."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE celery_fence.leases SET expires_at = clock_timestamp() "
+                "+ make_interval(secs => :ms / 1000.0) WHERE name = :name"
+            ),
+            {"name": name, "ms": milliseconds},
+        )
+
+
+def wait_until_ended(conn: Executor) -> None:
+    """Wait, without sending anything, until the server ends ``conn``'s session: its message
+    saying why arrives on the socket."""
+    connection = conn.connection() if isinstance(conn, Session) else conn
+    dbapi_connection = connection.connection.dbapi_connection
+    assert dbapi_connection is not None
+    readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], WAIT)
+    assert readable, "the server did not end the idle session"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_transaction_left_idle_past_the_lease_expiry_is_rejected_and_recorded(
+    store: LeaseStore, protected: Engine, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer stalled between its check and its COMMIT past the lease's expiry has its session
+    ended by the idle limit the check set: the commit fails with the write's rejection, which
+    is recorded, logged and counted, in place of the driver's error."""
+    lease = acquire(store, "release-41")
+    expire_soon(protected, NAME, 300)
+
+    def stall_before_commit() -> None:
+        with transaction(protected, kind) as conn:
+            with store.guard(lease, conn, action="publish manifest"):
+                conn.execute(UPDATE, {"value": "stalled"})
+            wait_until_ended(conn)
+
+    with pytest.raises(StaleEpochError) as caught:
+        stall_before_commit()
+    assert (caught.value.reason, caught.value.epoch, caught.value.lease_name) == (
+        "expired",
+        lease.epoch,
+        NAME,
+    )
+    assert isinstance(caught.value.__cause__, psycopg.errors.IdleInTransactionSessionTimeout)
+    assert "the server ended its transaction" in str(caught.value)
+    [run] = store.stale_runs(environment=ENVIRONMENT)
+    assert (run.action, run.reason, run.enforced, run.stale_epoch) == (
+        "publish manifest",
+        "expired",
+        True,
+        lease.epoch,
+    )
+    assert store.metrics.get("rejected.expired") == 1
+    assert "stale publish manifest rejected: lease release:prod epoch 1" in caplog.text
+    assert committed_values(protected) == ["initial"]
+    # The ended connection left the pool; the others work, and the lease is free to take.
+    touch_every_pooled_connection(protected)
+    assert store.acquire(NAME, holder="release-42", ttl=60).acquired
+
+
+def test_a_transaction_ended_by_its_own_shorter_idle_limit_keeps_the_drivers_error(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """The session's own idle limit, shorter than the lease's time left, stays in force: a
+    transaction it ends while the lease still holds is no stale run, and fails as it would
+    without the guard."""
+    lease = acquire(store, "release-41")
+
+    def stall_before_commit() -> None:
+        with protected.begin() as conn:
+            conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
+            with store.guard(lease, conn, action="publish manifest"):
+                conn.execute(UPDATE, {"value": "stalled"})
+            wait_until_ended(conn)
+
+    with pytest.raises(sa.exc.DBAPIError) as caught:
+        stall_before_commit()
+    assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)
+    assert store.stale_runs() == []
+    assert committed_values(protected) == ["initial"]
+    assert store.release(lease) == "released"
+
+
+def test_a_later_check_in_a_transaction_ended_idle_rejects_the_expired_leases_writes(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """The server ended the transaction for idling past the first lease's expiry; the check of
+    a second guard block is what finds out: it fails with the first write's rejection."""
+    first = acquire(store, "release-41")
+    second = store.acquire("release:other", holder="release-41", ttl=300).lease
+    assert second is not None
+    expire_soon(protected, NAME, 300)
+
+    def stall_between_guards() -> None:
+        with protected.begin() as conn:
+            with store.guard(first, conn, action="first write"):
+                conn.execute(UPDATE, {"value": "first"})
+            wait_until_ended(conn)
+            with store.guard(second, conn, action="second write"):
+                pass
+
+    with pytest.raises(StaleEpochError) as caught:
+        stall_between_guards()
+    assert (caught.value.lease_name, caught.value.reason) == (NAME, "expired")
+    assert [(run.lease_name, run.action) for run in store.stale_runs()] == [(NAME, "first write")]
+    assert committed_values(protected) == ["initial"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
