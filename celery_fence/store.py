@@ -790,23 +790,36 @@ class LeaseStore:
         got, remaining = attempt()
         if got.acquired or time.monotonic() >= deadline:
             return got
-        try:
-            with self._connections.unpooled() as listener:
-                listener.execute(f"LISTEN {_RELEASED_CHANNEL}")
-                while True:
-                    # Looked at again once listening, so that a release just before is not missed.
-                    got, remaining = attempt()
-                    left = deadline - time.monotonic()
-                    if got.acquired or left <= 0:
-                        return got
-                    pause = min(left, RECHECK_INTERVAL)
-                    if got.outcome == "held" and remaining is not None:
-                        pause = min(pause, max(remaining, 0.05))
-                    for notice in listener.notifies(timeout=pause):
-                        if notice.payload == params["name"]:
-                            break
-        except self._driver_errors as exc:
-            raise _wrap(exc) from exc
+        while True:
+            listening = False
+            try:
+                with self._connections.unpooled() as listener:
+                    listener.execute(f"LISTEN {_RELEASED_CHANNEL}")
+                    listening = True
+                    while True:
+                        # Looked at again once listening, so that a release just before is not
+                        # missed.
+                        got, remaining = attempt()
+                        left = deadline - time.monotonic()
+                        if got.acquired or left <= 0:
+                            return got
+                        pause = min(left, RECHECK_INTERVAL)
+                        if got.outcome == "held" and remaining is not None:
+                            pause = min(pause, max(remaining, 0.05))
+                        for notice in listener.notifies(timeout=pause):
+                            if notice.payload == params["name"]:
+                                break
+            except self._driver_errors as exc:
+                if not listening:  # no connection to listen on: the database is not answering
+                    raise _wrap(exc) from exc
+                # The server ended the listening connection (a restart, a failover, an idle
+                # timeout): the wait goes on, on a new one.
+                log.info(
+                    "lease %s: the wait's listening connection ended, listening again: %s",
+                    params["name"],
+                    exc,
+                    extra={"lease": params["name"]},
+                )
 
     def _busy(
         self, name: str, error: FenceDatabaseError, call: str, lock_timeout: float

@@ -1127,6 +1127,38 @@ def test_a_waiting_acquisition_looks_again_when_the_lease_runs_out(
     assert time.monotonic() - started < 30  # far below the 120 s recheck interval
 
 
+def test_a_wait_whose_listening_connection_ends_listens_again(
+    store: LeaseStore, waiter: LeaseStore, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server ending the wait's listening connection (a restart, a failover, an idle
+    timeout) does not end the wait: it listens on a new connection, and a release wakes it."""
+    monkeypatch.setattr("celery_fence.store.RECHECK_INTERVAL", 120.0)
+    held = held_lease(store)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = wait_in_background(pool, waiter, wait=60)
+        assert listeners(engine, 1) == 1
+        with engine.connect() as conn:
+            pid = conn.execute(
+                sa.text(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND query = 'LISTEN celery_fence_released'"
+                )
+            ).scalar_one()
+        _end_session(engine, pid)
+        # Listening again once it has looked at the lease on the new connection.
+        deadline = time.monotonic() + 30
+        while waiter.metrics.get("acquire.held") < 3:
+            assert not future.done(), future.result()
+            assert time.monotonic() < deadline, "the waiter never listened again"
+            time.sleep(0.01)
+        assert listeners(engine, 1) == 1
+        store.release(held)
+        got = future.result(timeout=30)
+    assert got.lease is not None
+    assert (got.lease.holder, got.lease.epoch) == ("b", held.epoch + 1)
+    assert listeners(engine, 0) == 0
+
+
 def _end_session(engine: Engine, pid: int) -> None:
     """End one backend as an administrator (or a failover) would, and wait until it is gone."""
     with engine.connect() as conn:
