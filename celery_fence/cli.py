@@ -150,8 +150,37 @@ def _command_error(exc: FenceError, settings: Settings) -> CommandError:
     return CommandError(str(exc))
 
 
+# The group's own options, which no command takes after its name.
+_GLOBAL_OPTIONS = frozenset(
+    {"--database-url", "--environment", "--lock-timeout", "--verbose", "-v"}
+)
+
+
+class FenceCommand(click.Command):
+    """A command whose error for one of the group's options given after its name says where
+    that option goes."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            if exc.option_name not in _GLOBAL_OPTIONS:
+                raise
+            raise click.NoSuchOption(
+                exc.option_name,
+                message=(
+                    f"No such option: {exc.option_name} (one of celery-fence's own options, "
+                    f"given before the command: celery-fence {exc.option_name} ... "
+                    f"{ctx.info_name} ...)"
+                ),
+                ctx=ctx,
+            ) from exc
+
+
 class FenceGroup(click.Group):
     """Turns every :class:`FenceError` a command raises into a one-line error."""
+
+    command_class = FenceCommand
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -628,6 +657,24 @@ def _paused(owner: Owner) -> str | None:
     return f"by {owner.paused_by}: {owner.paused_reason}" if owner.paused else None
 
 
+def _filter_note(environment_filter: str | None) -> None:
+    """On stderr, for a read given the group's ``--environment`` on the command line and none of
+    its own: that one filters nothing."""
+    ctx = click.get_current_context()
+    group = ctx.parent
+    if (
+        environment_filter is None
+        and group is not None
+        and group.get_parameter_source("environment") is click.core.ParameterSource.COMMANDLINE
+    ):
+        click.echo(
+            f"note: celery-fence --environment names the environment of the leases a command "
+            f"acquires or pauses; {ctx.info_name} shows every environment unless given its own "
+            f"(celery-fence {ctx.info_name} --environment {group.params['environment']})",
+            err=True,
+        )
+
+
 environment_filter = click.option(
     "--environment", "environment_filter", help="Only this environment [default: all]."
 )
@@ -645,6 +692,7 @@ def status(
     settings: Settings, name: str | None, environment_filter: str | None, as_json: bool
 ) -> None:
     """Show every lease (or lease NAME) and its owner."""
+    _filter_note(environment_filter)
     store = settings.store()
     if name is None:
         owners = store.leases(environment=environment_filter)
@@ -708,6 +756,7 @@ def stale_runs(
     as_json: bool,
 ) -> None:
     """Show rejected stale renewals, releases and writes, newest first."""
+    _filter_note(environment_filter)
     runs: list[StaleRun] = settings.store().stale_runs(
         environment=environment_filter, lease_name=lease_name, limit=limit
     )

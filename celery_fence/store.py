@@ -98,19 +98,19 @@ _TCP_USER_TIMEOUT_LIBPQ = 120_000
 
 
 def engine_from_url(url: str, **kwargs: Any) -> Engine:
-    """An engine on psycopg 3 for a ``postgresql://`` or ``postgresql+psycopg://`` URL, with
-    :data:`CONNECT_DEFAULTS` for the connection parameters neither the URL nor ``connect_args``
-    gives."""
+    """An engine on psycopg 3 for a ``postgresql://`` (or libpq's ``postgres://``) or
+    ``postgresql+psycopg://`` URL, with :data:`CONNECT_DEFAULTS` for the connection parameters
+    neither the URL nor ``connect_args`` gives."""
     try:
         parsed = make_url(url)
     except (sa.exc.ArgumentError, ValueError) as exc:
         raise ConfigurationError(
             "not a valid database URL (expected postgresql://user:password@host:port/database)"
         ) from exc
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() != "postgresql":
         raise ConfigurationError(f"celery-fence needs PostgreSQL, got {parsed.drivername!r}")
-    if parsed.drivername == "postgresql":
-        parsed = parsed.set(drivername="postgresql+psycopg")
     try:
         if parsed.get_driver_name() == "psycopg":
             given = dict(kwargs.get("connect_args") or {})
@@ -1126,14 +1126,19 @@ class LeaseStore:
             reason = self._fence_failure(exc, params)
             if reason is None:
                 state = _sqlstate(exc)
+                # A lease the transaction finds missing (_STALE_EPOCH) while the store finds it
+                # held is one in another database, when the connections name two.
+                elsewhere = self._elsewhere(cursor) if state == _STALE_EPOCH else ""
+                if elsewhere:
+                    raise FenceDatabaseError(
+                        f"fenced write {action!r}: lease {lease.name} is held, but not in the "
+                        f"database of the guarded transaction{elsewhere}"
+                    ) from exc
                 if state in (_SERIALIZATION_FAILURE, _STALE_EPOCH):
-                    # A lease the transaction finds missing (_STALE_EPOCH) may also be one in
-                    # another database.
                     raise FenceDatabaseError(
                         f"fenced write {action!r}: lease {lease.name} was acquired or renewed "
                         "after this transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it "
                         "is still held: retry the transaction"
-                        + (self._elsewhere(cursor) if state == _STALE_EPOCH else "")
                     ) from exc
                 error = _wrap(exc)
                 if isinstance(error, SchemaNotInstalledError):

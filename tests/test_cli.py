@@ -20,6 +20,7 @@ from typing import Any
 import click
 import pytest
 from click.testing import CliRunner, Result
+from sqlalchemy.engine import make_url
 
 from celery_fence import LeaseStore, Owner, _sql
 from celery_fence.cli import ExitCode, RaceAnswer, main, race_problems
@@ -158,6 +159,12 @@ def test_passwords_given_as_url_parameters_are_hidden_too() -> None:
 def test_invalid_database_url(url: str, message: str) -> None:
     result = cli(url, "status")
     assert_error(result, ExitCode.USAGE, message)
+
+
+def test_libpqs_postgres_scheme_is_postgresql(database_url: str) -> None:
+    libpq_style = make_url(database_url).set(drivername="postgres")
+    result = cli(libpq_style.render_as_string(hide_password=False), "status")
+    assert result.exit_code == 0, result.output
     assert "s3cret" not in result.stderr
 
 
@@ -933,3 +940,23 @@ def test_every_example_of_the_reference_runs_as_shown(database_url: str, tmp_pat
         assert checker.check_output(want, got, flags), f"the page shows:\n{want}{context}"
         ran += 1
     assert ran >= 20
+
+
+def test_a_global_option_given_after_the_command_says_where_it_goes() -> None:
+    result = cli(None, "pause", "release:prod", "--environment", "prod", "--reason", "freeze")
+    assert result.exit_code == ExitCode.USAGE
+    assert "No such option: --environment (one of celery-fence's own options" in result.stderr
+    assert "celery-fence --environment ... pause ..." in result.stderr
+
+
+@pytest.mark.parametrize("command", ["status", "stale-runs"])
+def test_a_read_given_the_global_environment_says_it_filters_nothing(
+    database_url: str, command: str
+) -> None:
+    given = cli(database_url, "--environment", "prod", command)
+    assert given.exit_code == 0, given.output
+    assert f"{command} shows every environment unless given its own" in given.stderr
+    assert f"(celery-fence {command} --environment prod)" in given.stderr
+    # Its own filter, or the environment from the environment variable, needs no note.
+    assert cli(database_url, "--environment", "prod", command, "--environment", "prod").stderr == ""
+    assert cli(database_url, command, CELERY_FENCE_ENVIRONMENT="prod").stderr == ""

@@ -730,6 +730,8 @@ def test_a_guard_on_another_database_names_both(
             conn.exec_driver_sql("CREATE TABLE written (x int)")
         assert make_url(empty_database_url).database in str(raised.value)
         assert store.engine.url.database in str(raised.value)
+        # The other database is the cause given, not a snapshot to retry.
+        assert "snapshot" not in str(raised.value)
         with elsewhere.engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT to_regclass('written')").scalar() is None
     finally:

@@ -414,12 +414,16 @@ def test_a_writer_stopped_before_commit_loses_its_session_at_the_lease_expiry(
         # until past the lease's expiry: the server ends its session, which frees the row.
         time.sleep(2.5)
         successor = store.acquire(NAME, holder="successor@test", ttl=30)
-        with pytest.raises(sa.exc.DBAPIError, match="idle-in-transaction timeout"):
+        with pytest.raises(StaleEpochError, match="the server ended its transaction") as caught:
             transaction.commit()
 
     assert successor.lease is not None, successor
     assert successor.lease.epoch == 2
     assert manifest_rows(manifest) == []
+    assert caught.value.reason == "superseded"
+    assert [(run.action, run.reason) for run in store.stale_runs()] == [
+        ("publish manifest", "superseded")
+    ]
     assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [
         (2, None),
         (1, "expired"),
