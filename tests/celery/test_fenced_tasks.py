@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import sqlalchemy as sa
-from celery import Celery, Task, chain, chord, states
+from celery import Celery, Task, chain, chord, signals, states
 from celery.exceptions import ChordError
 from sqlalchemy.engine import Engine
 
@@ -675,6 +675,68 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         ]
         # The state the wait left: nothing of the dropped redelivery's own.
         assert result.state == states.RETRY
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize(
+    ("redelivered", "earlier", "runs_again"),
+    [
+        pytest.param(True, "finished", False, id="redelivered after its earlier delivery ended"),
+        pytest.param(True, "lost", True, id="redelivered after its earlier delivery was lost"),
+        pytest.param(False, "finished", True, id="the same task id sent again"),
+    ],
+)
+def test_a_redelivery_after_its_earlier_delivery_ran_to_its_end_is_dropped(
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    redelivered: bool,
+    earlier: str,
+    runs_again: bool,
+) -> None:
+    """The broker delivers the message again after its earlier delivery ran to its end but
+    before that delivery was acknowledged (``acks_late``, its worker lost after the run): the
+    released lease shows the work is done, and the redelivery is dropped. A redelivery whose
+    earlier delivery was lost with the lease runs; so does a message the broker does not flag
+    as delivered before (one sent again with the same task id)."""
+    runs: list[str] = []
+
+    @fence.task(lease="release:{environment}", acks_late=True)
+    def publish(environment: str) -> None:
+        runs.append(environment)
+
+    def flag_redelivered(task: Task, **_: Any) -> None:
+        # As the broker flags the message (delivery_info["redelivered"]).
+        if task.name == publish.name:
+            task.request.delivery_info["redelivered"] = redelivered
+
+    task_id = str(uuid.uuid4())
+    lease = store.acquire(NAME, holder=f"{publish.name}[{task_id}]@celery@lost-host", ttl=60).lease
+    assert lease is not None
+    if earlier == "finished":
+        store.release(lease)
+    else:
+        expire_lease(NAME)
+    signals.task_prerun.connect(flag_redelivered)
+    try:
+        with worker():
+            result = publish.apply_async(("prod",), task_id=task_id)
+            if runs_again:
+                assert wait.finished(result) == states.SUCCESS
+            else:
+                wait.until(
+                    lambda: fence.store.metrics.get("busy.duplicate") == 1,
+                    what="the redelivery dropped",
+                )
+    finally:
+        signals.task_prerun.disconnect(flag_redelivered)
+    assert runs == (["prod"] if runs_again else [])
+    epochs = [(entry.epoch, entry.end_reason) for entry in store.history(NAME)]
+    assert epochs == ([(2, "released")] if runs_again else []) + [
+        (1, earlier.replace("finished", "released").replace("lost", "expired"))
+    ]
     assert store.stale_runs() == []
 
 

@@ -440,6 +440,11 @@ class Fence:
         name = _fill(task.fence_lease, arguments, "lease")
         ttl = task.lease_ttl(settings)
         interval = task.renew_interval(settings, ttl)
+        if since is None and task.waited_for() is None and task.redelivered():
+            # The broker delivers the message again (acks_late after a lost worker or a lost
+            # acknowledgement, a visibility timeout): an earlier delivery that took the lease's
+            # latest epoch may have run to its end.
+            since = self._earlier_delivery(task, name)
         done = self._done_before(task, name, enforced, "owner", since)
         if done is not None:
             return done
@@ -748,6 +753,10 @@ class FencedTask(Task):  # type: ignore[misc]
         if waited is None or prefix is None or epoch < waited:
             return False
         return self.fence.store.released_by(name, since_epoch=waited, holder_prefix=prefix)
+
+    def redelivered(self) -> bool:
+        """Whether the broker flags this delivery as one of a message it delivered before."""
+        return bool((self.request.delivery_info or {}).get("redelivered"))
 
     def waited_for(self) -> int | None:
         """The epoch of the earlier delivery's lease this delivery was retried to wait for (the
