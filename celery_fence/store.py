@@ -856,31 +856,32 @@ class LeaseStore:
             extra={"lease": name},
         )
 
-    def renew(self, lease: Lease, *, ttl: float | None = None) -> Lease:
+    def renew(self, lease: Lease, *, ttl: float | None = None, enforce: bool = True) -> Lease:
         """Extend the lease (never its epoch, never past its maximum hold).
 
         Raises :class:`LeaseLostError` with the current owner when the lease was superseded,
-        released, paused or expired; the database records that stale renewal. Raises
-        :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
-        ``lock_timeout``: the lease is unchanged, and the renewal may be tried again.
+        released, paused or expired; the database records that stale renewal (``enforce=False``:
+        as shadow mode's, which would have been rejected). Raises :class:`FenceDatabaseError`
+        when fenced writers kept the lease's row locked past ``lock_timeout``: the lease is
+        unchanged, and the renewal may be tried again.
         """
         ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
         started = time.monotonic()
-        params = {**self._holder_params(lease), "ttl": ttl_seconds}
+        params = {**self._holder_params(lease, enforce=enforce), "ttl": ttl_seconds}
         row = self._call_as_holder("renew", "renewed", lease, params)
         if row["outcome"] != "renewed":
             raise self._rejected(params, row, "renew")
         self.metrics.incr("renew.renewed")
         return self._lease(row, started, ttl_seconds)
 
-    def release(self, lease: Lease) -> Released:
+    def release(self, lease: Lease, *, enforce: bool = True) -> Released:
         """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
-        release raises :class:`LeaseLostError` and is recorded. A sharer of a lease shared with
-        continuations (see :meth:`rejoin`) only leaves it, ``"left"``, while others hold it.
-        Raises :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
-        ``lock_timeout``: the lease is unchanged (it runs out at its expiry), and the release may
-        be tried again."""
-        params = self._holder_params(lease)
+        release raises :class:`LeaseLostError` and is recorded (``enforce=False``: as shadow
+        mode's). A sharer of a lease shared with continuations (see :meth:`rejoin`) only leaves
+        it, ``"left"``, while others hold it. Raises :class:`FenceDatabaseError` when fenced
+        writers kept the lease's row locked past ``lock_timeout``: the lease is unchanged (it
+        runs out at its expiry), and the release may be tried again."""
+        params = self._holder_params(lease, enforce=enforce)
         row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
         if outcome not in get_args(Released):
@@ -896,16 +897,16 @@ class LeaseStore:
             )
         return outcome
 
-    def _holder_params(self, lease: Lease) -> dict[str, Any]:
-        """What a renewal or release of ``lease`` sends: its identity, the lock timeout, and the
-        environment a stale run is recorded under if the lease's row does not exist (the row's
-        own wins otherwise)."""
+    def _holder_params(self, lease: Lease, *, enforce: bool) -> dict[str, Any]:
+        """What a renewal or release of ``lease`` sends: its identity, whether a stale one is
+        recorded as enforced, the lock timeout, and the environment a stale run is recorded under
+        if the lease's row does not exist (the row's own wins otherwise)."""
         return {
             "name": lease.name,
             "epoch": lease.epoch,
             "token": lease.token,
             "holder": lease.holder,
-            "enforced": True,
+            "enforced": enforce,
             "now": self._now(),
             "lock_timeout": self.lock_timeout,
             "environment": self._fallback_environment(lease),

@@ -10,7 +10,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import sqlalchemy as sa
+from celery import Celery
 from sqlalchemy.engine import Engine
 
 from celery_fence import LeaseLostError, LeaseStore, Owner, StaleEpochError
@@ -70,13 +72,22 @@ def test_renewal_keeps_the_lease_beyond_its_ttl(
     assert store.stale_runs() == []
 
 
+@pytest.mark.parametrize("enforcement", ["enforce", "shadow"])
 def test_lost_lease_reaches_the_body_and_its_writes_are_rejected(
+    app: Celery,
     fence: Fence,
     worker: StartWorker,
     store: LeaseStore,
     wait: Wait,
     engine: Engine,
+    enforcement: str,
 ) -> None:
+    """Renewal finds the lease taken over: the body learns it (``held``), its cooperative check
+    raises and its fenced write is rejected; the stale renewal, write and release are recorded.
+    In shadow mode, which blocks nothing, the check does not raise, the write commits, and each
+    of the three is recorded as what would have been rejected."""
+    app.conf.fence_enforcement = enforcement
+    enforced = enforcement == "enforce"
     with engine.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
     started, taken_over = threading.Event(), threading.Event()
@@ -114,23 +125,24 @@ def test_lost_lease_reaches_the_body_and_its_writes_are_rejected(
         assert (taken.outcome, taken.epoch) == ("acquired", 2)
         seen = wait.outcome(result)
 
-    assert seen == {
-        "held at start": True,
-        "held": False,
+    rejected = {
         "check": ["LeaseLostError", "superseded"],
         "write": ["StaleEpochError", "superseded", 1],
     }
+    assert seen == {"held at start": True, "held": False, **(rejected if enforced else {})}
     with engine.connect() as conn:
-        assert conn.exec_driver_sql("SELECT count(*) FROM manifest").scalar_one() == 0
+        written = conn.exec_driver_sql("SELECT count(*) FROM manifest").scalar_one()
+    assert written == (0 if enforced else 1)
     owner = store.owner(NAME)
     assert owner is not None
     assert (owner.epoch, owner.holder, owner.state) == (2, INTRUDER, "held")
-    stale = {(run.action, run.reason, run.stale_epoch) for run in store.stale_runs()}
-    # Renewal, the write and the release at the end were each refused and recorded.
+    stale = {(run.action, run.reason, run.stale_epoch, run.enforced) for run in store.stale_runs()}
+    # Renewal, the write and the release at the end were each refused (or would have been)
+    # and recorded.
     assert stale == {
-        ("renew", "superseded", 1),
-        ("publish manifest", "superseded", 1),
-        ("release", "superseded", 1),
+        ("renew", "superseded", 1, enforced),
+        ("publish manifest", "superseded", 1, enforced),
+        ("release", "superseded", 1, enforced),
     }
 
 

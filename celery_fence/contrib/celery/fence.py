@@ -104,9 +104,10 @@ class FencedRun:
         return self._lease is not None and self._lease.trusted
 
     def check(self) -> None:
-        """Raise :class:`LeaseLostError` if the lease can no longer be trusted."""
+        """Raise :class:`LeaseLostError` if the lease can no longer be trusted; in shadow mode,
+        which blocks nothing, never (``held`` still tells)."""
         lease = self.lease
-        if lease is None or self.held:
+        if lease is None or self.held or not self.enforced:
             return
         if self.keeper is not None and self.keeper.error is not None:
             raise self.keeper.error
@@ -415,12 +416,12 @@ class Fence:
                 extra={"lease": lease.name, "epoch": lease.epoch},
             )
             return
-        self._release(lease)
+        self._release(lease, enforced=run.enforced)
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, lease: Lease, *, enforced: bool) -> None:
         """Release ``lease`` at the end of a run; a release that fails leaves it to expire."""
         try:
-            self.store.release(lease)
+            self.store.release(lease, enforce=enforced)
         except LeaseLostError:
             pass  # already logged, counted and recorded by the store
         except FenceError as exc:
@@ -467,7 +468,7 @@ class Fence:
         def renew(lease: Lease) -> Lease:
             # By the TTL, also after an acquisition for min_hold: renewals keep the lease while
             # the run goes on, and never past min_hold after it was taken once the run ends.
-            return keeper_store.renew(lease, ttl=ttl)
+            return keeper_store.renew(lease, ttl=ttl, enforce=enforced)
 
         try:
             # The earlier delivery this one waited for may have run to its end between the look
@@ -476,10 +477,10 @@ class Fence:
             keeper = None if finished else LeaseKeeper(lease, renew, interval=interval).start()
         except BaseException:
             # A run that cannot go on does not keep the lease until it expires.
-            self._release(lease)
+            self._release(lease, enforced=enforced)
             raise
         if keeper is None:
-            self._release(lease)
+            self._release(lease, enforced=enforced)
             got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
             return self._refused(task, name, got, enforced, "owner", done=True)
         return FencedRun(
@@ -646,10 +647,15 @@ class Fence:
             return self._refused(task, header.lease, got, enforced, "resume")
         # A continuation that joined a held lease is one more sharer: releasing it only leaves;
         # the lease is released when its last sharer releases it.
+        keeper_store = self.keeper_store
+
+        def renew(lease: Lease) -> Lease:
+            return keeper_store.renew(lease, enforce=enforced)
+
         try:
-            keeper = LeaseKeeper(got.lease, self.keeper_store.renew, interval=interval).start()
+            keeper = LeaseKeeper(got.lease, renew, interval=interval).start()
         except BaseException:
-            self._release(got.lease)
+            self._release(got.lease, enforced=enforced)
             raise
         return FencedRun(
             store=self.store,
