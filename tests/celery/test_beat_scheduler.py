@@ -123,6 +123,24 @@ def test_a_fresh_scheduler_takes_the_lease_and_sends_a_due_entry(
     assert re.fullmatch("[0-9a-f]{32}", fence_header["publication"])
 
 
+def test_a_closed_scheduler_releases_its_lease_and_never_leads_again(
+    store: LeaseStore, scheduler: NewScheduler
+) -> None:
+    """Beat's SIGTERM handler closes the scheduler and raises SystemExit; an exception in the
+    publish it interrupted can replace that SystemExit, and the beat's loop then ticks on: the
+    next tick stops the beat instead of taking the lease again."""
+    beat = scheduler()
+    beat.tick()
+    assert beat.lease is not None
+    beat.close()
+    with pytest.raises(SystemExit):
+        beat.tick()
+    owner = store.owner(beat.lease_name)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "released")
+    assert [entry.epoch for entry in store.history(beat.lease_name)] == [1]
+
+
 def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_backlog(
     app: Celery, store: LeaseStore, scheduler: NewScheduler
 ) -> None:

@@ -91,6 +91,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.lease: Lease | None = None
         self.highest_epoch = 0
         self.halted: str | None = None
+        self._closed = False
         self._renew_at = 0.0
         self._standby_reason: str | None = None
         # As a worker does, beat refuses to start without the schema; a database it cannot reach
@@ -142,6 +143,10 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return new_entry
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
+        if self._closed:
+            # Closed by the beat's SIGTERM or SIGINT handler, whose SystemExit an exception in
+            # the publish it interrupted may have replaced: the beat stops, and never leads again.
+            raise SystemExit()
         if self.halted is not None:
             log.critical("beat halted, not scheduling: %s", self.halted)
             return float(self.max_interval)
@@ -273,6 +278,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 
     def close(self) -> None:
+        self._closed = True
         lease = self.lease
         if lease is not None:
             self.lease = None
