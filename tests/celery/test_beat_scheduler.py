@@ -141,6 +141,40 @@ def test_a_closed_scheduler_releases_its_lease_and_never_leads_again(
     assert [entry.epoch for entry in store.history(beat.lease_name)] == [1]
 
 
+def test_a_slot_whose_claim_fails_is_not_sent_and_says_so_in_one_line(
+    app: Celery,
+    store: LeaseStore,
+    scheduler: NewScheduler,
+    admin_engine: Engine,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The database is unreachable when a due slot is claimed, while the leader still trusts its
+    lease: the slot is not sent, and the beat says so in one line instead of Celery's "Message
+    Error" and a stack trace at every slot of the outage."""
+    caplog.set_level(logging.WARNING)
+    beat = scheduler()
+    beat.tick()
+    assert beat.lease is not None
+    database = str(make_url(str(store.engine.url)).database)
+    entry = make_due(beat)
+    with admin_engine.connect() as conn:
+        conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{database}' AND pid <> pg_backend_pid()"
+        )
+    try:
+        assert beat.apply_entry(entry) is None  # as Celery's tick sends a due entry
+    finally:
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+    [line] = [r.getMessage() for r in caplog.records if "not sent" in r.getMessage()]
+    assert line.startswith(f"slot 1970-01-01T00:00:00+00:00 of {ENTRY} not sent: its claim failed")
+    assert not [r for r in caplog.records if r.getMessage().startswith("Message Error")]
+    assert queued(app) == []
+    assert store.dispatches(beat.lease_name) == []
+
+
 def test_a_standby_passes_due_entries_without_sending_and_takes_over_without_a_backlog(
     app: Celery, store: LeaseStore, scheduler: NewScheduler
 ) -> None:

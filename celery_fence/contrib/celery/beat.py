@@ -262,6 +262,16 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         except LeaseLostError as exc:
             self._step_down(f"dispatch of {entry.name} rejected: {exc}", lease)
             return None
+        except FenceDatabaseError as exc:
+            # One line, not Celery's "Message Error" with a stack at every slot of an outage.
+            log.warning(
+                "slot %s of %s not sent: its claim failed: %s",
+                slot.isoformat(),
+                entry.name,
+                exc,
+                extra={"lease": self.lease_name, "entry": entry.name},
+            )
+            return None
         if not claimed:
             log.info(
                 "slot %s of %s was already dispatched; not sending again",
