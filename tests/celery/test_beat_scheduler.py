@@ -12,6 +12,7 @@ import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pytest
@@ -141,6 +142,22 @@ def test_a_closed_scheduler_releases_its_lease_and_never_leads_again(
     assert [entry.epoch for entry in store.history(beat.lease_name)] == [1]
 
 
+@contextmanager
+def unreachable(admin_engine: Engine, database: str) -> Iterator[None]:
+    """The database unreachable for the block: new connections refused, open ones ended."""
+    with admin_engine.connect() as conn:
+        conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        conn.exec_driver_sql(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE datname = '{database}' AND pid <> pg_backend_pid()"
+        )
+    try:
+        yield
+    finally:
+        with admin_engine.connect() as conn:
+            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+
+
 def test_a_slot_whose_claim_fails_is_not_sent_and_says_so_in_one_line(
     app: Celery,
     store: LeaseStore,
@@ -157,17 +174,8 @@ def test_a_slot_whose_claim_fails_is_not_sent_and_says_so_in_one_line(
     assert beat.lease is not None
     database = str(make_url(str(store.engine.url)).database)
     entry = make_due(beat)
-    with admin_engine.connect() as conn:
-        conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
-        conn.exec_driver_sql(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            f"WHERE datname = '{database}' AND pid <> pg_backend_pid()"
-        )
-    try:
+    with unreachable(admin_engine, database):
         assert beat.apply_entry(entry) is None  # as Celery's tick sends a due entry
-    finally:
-        with admin_engine.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
     [line] = [r.getMessage() for r in caplog.records if "not sent" in r.getMessage()]
     assert line.startswith(f"slot 1970-01-01T00:00:00+00:00 of {ENTRY} not sent: its claim failed")
     assert not [r for r in caplog.records if r.getMessage().startswith("Message Error")]
@@ -448,24 +456,14 @@ def test_a_leader_whose_renewals_fail_retries_at_a_pace_until_its_deadline_then_
         beat.tick()
         lease = beat.lease
         assert lease is not None
-        # The database becomes unreachable: new connections are refused, open ones are ended.
-        with admin_engine.connect() as conn:
-            conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
-            conn.exec_driver_sql(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                f"WHERE datname = '{database}'"
-            )
-        try:
-            ticks = []
+        ticks = []
+        with unreachable(admin_engine, str(database)):
             # Tick as celery beat does, sleeping what tick() returns, until the leader steps
             # down (its lease is trusted for 13.5 s of 15).
             while beat.lease is not None and len(ticks) < 100:
                 ticks.append(beat.tick())
                 # The frozen clock moves by whole microseconds; a real sleep takes at least one.
                 frozen.tick(max(ticks[-1], 1e-6))
-        finally:
-            with admin_engine.connect() as conn:
-                conn.exec_driver_sql(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
 
     assert (beat.lease, beat.halted) == (None, None)
     assert min(ticks) > 0
