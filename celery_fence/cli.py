@@ -150,12 +150,6 @@ def _command_error(exc: FenceError, settings: Settings) -> CommandError:
     return CommandError(str(exc))
 
 
-# The group's own options, which no command takes after its name.
-_GLOBAL_OPTIONS = frozenset(
-    {"--database-url", "--environment", "--lock-timeout", "--verbose", "-v"}
-)
-
-
 class FenceCommand(click.Command):
     """A command whose error for one of the group's options given after its name says where
     that option goes."""
@@ -164,7 +158,13 @@ class FenceCommand(click.Command):
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
-            if exc.option_name not in _GLOBAL_OPTIONS:
+            group = ctx.parent.command if ctx.parent is not None else None
+            own = {
+                name
+                for param in (group.params if group is not None else [])
+                for name in (*param.opts, *param.secondary_opts)
+            }
+            if exc.option_name not in own:
                 raise
             raise click.NoSuchOption(
                 exc.option_name,

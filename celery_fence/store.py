@@ -415,7 +415,10 @@ def _listen_once(
         with _WATCH_LOCK:
             if engine not in watched:
                 for event, listener in listeners:
-                    sa.event.listen(engine, event, listener)
+                    # Engines made by execution_options() share their dialect, where some
+                    # events (handle_error) are kept.
+                    if not sa.event.contains(engine, event, listener):
+                        sa.event.listen(engine, event, listener)
                 watched.add(engine)
 
 
@@ -437,7 +440,8 @@ def _watch_commits(guarded: sa.Connection | Session) -> None:
 
 
 def _forget_checks(conn: sa.Connection, *_: Any) -> None:
-    """A transaction begins or rolls back on ``conn``: no check of an earlier one applies."""
+    """A transaction begins or rolls back on ``conn``, or a savepoint rolls back (which restores
+    the idle limit in force before it): no check before that is known to apply."""
     _CHECKED.pop(conn, None)
 
 
@@ -459,7 +463,12 @@ def _idle_rejection(checked: list[_Checked]) -> StaleEpochError | None:
     returned; ``None`` while all still hold (the session's own idle limit, shorter than theirs,
     ended it) or when none can be judged."""
     rejection = None
+    judged = set()
     for store, lease, action in checked:
+        key = (store, lease.name, lease.epoch)
+        if key in judged:  # one record for each lease, however many guard blocks fenced it
+            continue
+        judged.add(key)
         error = store._rejected_after_idling(lease, action)
         rejection = rejection or error
     return rejection
@@ -523,6 +532,13 @@ def _cursor(conn: sa.Connection) -> Any:
         assert dbapi_connection is not None  # a connection in use is open
         cursor = pooled.info[_CURSOR_INFO] = dbapi_connection.cursor()
     return cursor
+
+
+def _read_committed(connection: Any) -> bool:
+    """Whether a psycopg connection's transactions run at READ COMMITTED, as far as the driver
+    knows (its own setting, else the server's default, taken as PostgreSQL's)."""
+    level = connection.isolation_level
+    return level is None or level == type(level).READ_COMMITTED
 
 
 def _kept_waiting(error: FenceDatabaseError) -> bool:
@@ -812,8 +828,8 @@ class LeaseStore:
             except self._driver_errors as exc:
                 if not listening:  # no connection to listen on: the database is not answering
                     raise _wrap(exc) from exc
-                # The server ended the listening connection (a restart, a failover, an idle
-                # timeout): the wait goes on, on a new one.
+                # The server ended the listening session (terminated, an idle session
+                # timeout): the wait goes on, on a new connection.
                 log.info(
                     "lease %s: the wait's listening connection ended, listening again: %s",
                     params["name"],
@@ -1029,7 +1045,9 @@ class LeaseStore:
         :class:`StaleEpochError`, which rolls the caller's transaction back; the stale run is
         recorded on the store's own connection, so the record survives that rollback. The
         commit comes after the block: one inside it (of ``conn``'s transaction) is refused with
-        :class:`ConfigurationError`.
+        :class:`ConfigurationError`. A transaction the server ends for idling past the lease's
+        expiry (the check's idle limit) fails at its commit with :class:`StaleEpochError`,
+        recorded.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
         blocked, and a stale write is recorded once (the database's reason, else ``expired``
@@ -1071,21 +1089,24 @@ class LeaseStore:
         connection = _connection(guarded)
         cursor = _cursor(connection)
         try:
-            self._check_fence(lease, connection, cursor, action, enforce=enforce, trusted=trusted)
+            lease_limit = self._check_fence(
+                lease, connection, cursor, action, enforce=enforce, trusted=trusted
+            )
         except BaseException:
             if cursor.connection.broken:
                 # Lost during the check, which SQLAlchemy did not see: without this, its
                 # rollback of the caller's transaction would fail in place of the error.
                 connection.invalidate()
             raise
-        if enforce and self.clock is None:
-            # The check left an idle limit (an injected clock sets none): if the server ends the
+        if lease_limit:
+            # The check left the lease's time left as the idle limit: if the server ends the
             # session for it, the commit fails with this write's rejection.
             _listen_once(
                 connection.engine,
                 _ENDS_WATCHED_ENGINES,
                 ("begin", _forget_checks),
                 ("rollback", _forget_checks),
+                ("rollback_savepoint", _forget_checks),
                 ("handle_error", _ended_idle),
             )
             _CHECKED.setdefault(connection, []).append((self, lease, action))
@@ -1099,9 +1120,10 @@ class LeaseStore:
         *,
         enforce: bool,
         trusted: bool,
-    ) -> None:
+    ) -> bool:
         """The check at the end of a guard block, on ``cursor`` in the caller's transaction on
-        ``connection``."""
+        ``connection``. Whether it left the lease's time left as the transaction's idle limit
+        (enforced, on the database clock, and shorter than the limit already in force)."""
         params = {
             "name": lease.name,
             "epoch": lease.epoch,
@@ -1114,9 +1136,9 @@ class LeaseStore:
             reason = self._shadow_check(cursor, params) or (None if trusted else "expired")
             if reason is not None:
                 self._record_rejection(lease, reason, action, enforced=False)
-            return
+            return False
         try:
-            self._run(cursor, "fence", params)
+            (answer,) = self._run(cursor, "fence", params)
         except self._driver_errors as exc:
             if _sqlstate(exc) == _IDLE_IN_TRANSACTION_TIMEOUT:
                 # Ended idling past an earlier check's lease, or this one's.
@@ -1130,7 +1152,7 @@ class LeaseStore:
                 # A lease the transaction finds missing (_STALE_EPOCH) while the store finds it
                 # held is one in another database, when the connections name two.
                 elsewhere = self._elsewhere(cursor) if state == _STALE_EPOCH else ""
-                if elsewhere:
+                if elsewhere and _read_committed(cursor.connection):
                     raise FenceDatabaseError(
                         f"fenced write {action!r}: lease {lease.name} is held, but not in the "
                         f"database of the guarded transaction{elsewhere}"
@@ -1139,7 +1161,7 @@ class LeaseStore:
                     raise FenceDatabaseError(
                         f"fenced write {action!r}: lease {lease.name} was acquired or renewed "
                         "after this transaction's snapshot (REPEATABLE READ or SERIALIZABLE); it "
-                        "is still held: retry the transaction"
+                        f"is still held: retry the transaction{elsewhere}"
                     ) from exc
                 error = _wrap(exc)
                 if isinstance(error, SchemaNotInstalledError):
@@ -1153,6 +1175,7 @@ class LeaseStore:
                 f"epoch {lease.epoch} is {reason}",
             ) from exc
         self.metrics.incr("guard.passed")
+        return bool(answer["lease_limit"])
 
     def _stale(self, lease: Lease, reason: str, action: str, message: str) -> StaleEpochError:
         """The error rejecting a fenced write of ``lease`` as stale, once the rejection is

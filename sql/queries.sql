@@ -39,7 +39,16 @@ SELECT CASE
     WHEN CAST(:now AS timestamptz) IS NULL THEN pg_catalog.set_config(
         'idle_in_transaction_session_timeout', celery_fence.idle_limit((f.l).expires_at), true
     )
-END AS fenced
+END AS fenced,
+-- Whether the idle limit in force is the lease's time left rather than a shorter one the session
+-- had (the same answer before the limit is set and after): only then does the server's ending
+-- the session idle mean that the lease ran out.
+CAST(:now AS timestamptz) IS NULL AND coalesce(
+    (f.l).expires_at - pg_catalog.clock_timestamp() <= nullif(
+        pg_catalog.current_setting('idle_in_transaction_session_timeout')::interval, interval '0'
+    ),
+    true
+) AS lease_limit
 FROM (
     SELECT pg_catalog.pg_advisory_xact_lock_shared(celery_fence.writers_key(:name)), 1 AS queued
     OFFSET 0

@@ -8,6 +8,7 @@ a successor must never commit after the successor's epoch exists.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import select
 import threading
 import time
@@ -181,6 +182,8 @@ def test_a_transaction_left_idle_past_the_lease_expiry_is_rejected_and_recorded(
     """A writer stalled between its check and its COMMIT past the lease's expiry has its session
     ended by the idle limit the check set: the commit fails with the write's rejection, which
     is recorded, logged and counted, in place of the driver's error."""
+    # Whatever level an earlier worker's logging setup left the root logger at.
+    caplog.set_level(logging.WARNING, "celery_fence")
     lease = acquire(store, "release-41")
     expire_soon(protected, NAME, 300)
 
@@ -188,6 +191,9 @@ def test_a_transaction_left_idle_past_the_lease_expiry_is_rejected_and_recorded(
         with transaction(protected, kind) as conn:
             with store.guard(lease, conn, action="publish manifest"):
                 conn.execute(UPDATE, {"value": "stalled"})
+            # A second block of the same lease: one rejection is recorded, not one per block.
+            with store.guard(lease, conn, action="publish again"):
+                conn.execute(UPDATE, {"value": "stalled again"})
             wait_until_ended(conn)
 
     with pytest.raises(StaleEpochError) as caught:
@@ -214,27 +220,41 @@ def test_a_transaction_left_idle_past_the_lease_expiry_is_rejected_and_recorded(
     assert store.acquire(NAME, holder="release-42", ttl=60).acquired
 
 
+@pytest.mark.parametrize("after", ["lease held", "lease expired", "savepoint rolled back"], ids=str)
 def test_a_transaction_ended_by_its_own_shorter_idle_limit_keeps_the_drivers_error(
-    store: LeaseStore, protected: Engine
+    store: LeaseStore, protected: Engine, expire_lease: Expire, after: str
 ) -> None:
     """The session's own idle limit, shorter than the lease's time left, stays in force: a
-    transaction it ends while the lease still holds is no stale run, and fails as it would
-    without the guard."""
+    transaction it ends is no stale run, and fails as it would without the guard, also when
+    the lease has run out by the time the caller learns it. So does one whose fence check a
+    savepoint's rollback undid (with the idle limit it set)."""
     lease = acquire(store, "release-41")
 
     def stall_before_commit() -> None:
         with protected.begin() as conn:
-            conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
-            with store.guard(lease, conn, action="publish manifest"):
-                conn.execute(UPDATE, {"value": "stalled"})
+            if after == "savepoint rolled back":
+                expire_soon(protected, NAME, 1500)
+                conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = '2s'")
+                savepoint = conn.begin_nested()
+                with store.guard(lease, conn, action="publish manifest"):
+                    conn.execute(UPDATE, {"value": "rolled back"})
+                savepoint.rollback()
+                conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
+            else:
+                conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = '200ms'")
+                with store.guard(lease, conn, action="publish manifest"):
+                    conn.execute(UPDATE, {"value": "stalled"})
             wait_until_ended(conn)
+            if after != "lease held":
+                expire_lease(NAME)
 
     with pytest.raises(sa.exc.DBAPIError) as caught:
         stall_before_commit()
     assert isinstance(caught.value.orig, psycopg.errors.IdleInTransactionSessionTimeout)
     assert store.stale_runs() == []
     assert committed_values(protected) == ["initial"]
-    assert store.release(lease) == "released"
+    if after == "lease held":
+        assert store.release(lease) == "released"
 
 
 def test_a_later_check_in_a_transaction_ended_idle_rejects_the_expired_leases_writes(

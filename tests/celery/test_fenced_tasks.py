@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery, Task, chain, chord, signals, states
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, Reject
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeaseStore
@@ -738,6 +738,25 @@ def test_a_redelivery_after_its_earlier_delivery_ran_to_its_end_is_dropped(
         (1, earlier.replace("finished", "released").replace("lost", "expired"))
     ]
     assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_a_run_whose_message_is_requeued_keeps_its_lease_until_it_expires(
+    fence: Fence, store: LeaseStore, requeue: bool
+) -> None:
+    """``Reject(requeue=True)`` puts the message back for a later run: the lease is kept until
+    it expires (its renewals stop), since a released one would tell that message's redelivery
+    that the work was done. A message rejected for good releases it."""
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        raise Reject("not now", requeue=requeue)
+
+    assert publish.apply(("prod",)).state == states.REJECTED
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.state == ("held" if requeue else "released")
+    assert [entry.end_reason for entry in store.history(NAME)] == [None if requeue else "released"]
 
 
 def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(

@@ -400,13 +400,22 @@ class Fence:
                 return run
         return self._acquire(task, arguments, environment, enforced)
 
-    def end(self, run: FencedRun) -> None:
+    def end(self, run: FencedRun, *, requeued: bool = False) -> None:
         """Stop renewing; release the lease if this run holds it and need not keep it (a
-        continuation sharing its publisher's lease only leaves it)."""
+        continuation sharing its publisher's lease only leaves it). A run whose message is
+        ``requeued`` (``Reject(requeue=True)``) keeps it until it expires: a released lease
+        would tell the message's redelivery that its work was done."""
         if run.keeper is not None:
             run.keeper.stop()
         lease = run.lease
         if lease is None:
+            return
+        if requeued:
+            log.info(
+                "keeping lease %s until it expires: the message is requeued",
+                lease.name,
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
             return
         if run.min_hold > 0 and time.monotonic() - run.started < run.min_hold:
             log.info(
@@ -681,12 +690,16 @@ class FencedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.fence.begin(self, args, kwargs)
         token = _current.set(run)
+        requeued = False
         try:
             return super().__call__(*args, **kwargs)
+        except Reject as exc:
+            requeued = bool(exc.requeue)
+            raise
         finally:
             _current.reset(token)
             header = run.header()
-            self.fence.end(run)
+            self.fence.end(run, requeued=requeued)
             if header is not None and not self.request.called_directly:
                 # What the worker publishes after the body (the next link of a chain, a chord
                 # callback) runs at this epoch too.
