@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -165,14 +166,20 @@ def expire_soon(engine: Engine, name: str, milliseconds: int) -> None:
         )
 
 
+def wait_until_told(dbapi_connection: Any) -> None:
+    """Wait, without sending anything, until what the server sent a psycopg connection whose
+    session it ended (its error, the end of the stream) has reached the client."""
+    readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], WAIT)
+    assert readable, "the server did not end the session, or its message never arrived"
+
+
 def wait_until_ended(conn: Executor) -> None:
-    """Wait, without sending anything, until the server ends ``conn``'s session: its message
-    saying why arrives on the socket."""
+    """:func:`wait_until_told` for the connection under a SQLAlchemy ``Connection`` or
+    ``Session``."""
     connection = conn.connection() if isinstance(conn, Session) else conn
     dbapi_connection = connection.connection.dbapi_connection
     assert dbapi_connection is not None
-    readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], WAIT)
-    assert readable, "the server did not end the idle session"
+    wait_until_told(dbapi_connection)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,7 +14,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import select
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ import sqlalchemy as sa
 from freezegun import freeze_time
 from freezegun.api import FrozenDateTimeFactory
 from sqlalchemy.engine import Engine, make_url
+from test_fenced_writes import wait_until_told
 
 from celery_fence import (
     Acquisition,
@@ -1160,14 +1160,6 @@ def test_a_wait_whose_listening_connection_ends_listens_again(
     assert listeners(engine, 0) == 0
 
 
-def _wait_until_told(connection: Any) -> None:
-    """Wait until what the server sent an idle connection it ended (its error, the end of the
-    stream) has reached the client: the backend can be gone from ``pg_stat_activity`` a moment
-    before that."""
-    readable, _, _ = select.select([connection.pgconn.socket], [], [], 10)
-    assert readable, "the ended connection was never told"
-
-
 def _end_session(engine: Engine, pid: int) -> None:
     """End one backend as an administrator (or a failover) would, and wait until it is gone."""
     with engine.connect() as conn:
@@ -1187,7 +1179,8 @@ def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
     with store.protocol_connection() as connection:
         ended = connection.info.backend_pid
     _end_session(engine, ended)
-    _wait_until_told(connection)
+    # Gone from pg_stat_activity a moment before the client hears of it.
+    wait_until_told(connection)
     # The next call opens a connection in its place rather than fail on the dead one.
     assert store.renew(lease).epoch == lease.epoch
     with store.protocol_connection() as connection:
@@ -1196,7 +1189,7 @@ def test_a_protocol_connection_ended_by_the_server_while_idle_is_not_used_again(
     # A rejected write is still recorded when the connection it is recorded on was ended.
     expire_lease(NAME)
     _end_session(engine, replaced)
-    _wait_until_told(connection)
+    wait_until_told(connection)
     with pytest.raises(StaleEpochError, match="expired"):
         fenced_update(store, lease, "stale", "publish")
     assert protected_value(engine) == "initial"

@@ -250,9 +250,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
     def apply_async(
         self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
     ) -> Any:
-        lease = self.lease
         if self._closed:
             return None  # the rest of a tick its shutdown interrupted
+        lease = self.lease
         if lease is None or not lease.trusted:
             self._step_down("lease not trusted at dispatch time", lease)
             return None

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
 from datetime import datetime, timezone
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Literal, NoReturn
 
 from celery import Celery, Task, bootsteps, current_task, signals
@@ -472,13 +472,9 @@ class Fence:
         lease = got.lease
         if lease is None:
             return self._refused(task, name, got, enforced, "owner")
-        keeper_store = self.keeper_store
-
-        def renew(lease: Lease) -> Lease:
-            # By the TTL, also after an acquisition for min_hold: renewals keep the lease while
-            # the run goes on, and never past min_hold after it was taken once the run ends.
-            return keeper_store.renew(lease, ttl=ttl, enforce=enforced)
-
+        # By the TTL, also after an acquisition for min_hold: renewals keep the lease while the
+        # run goes on, and never past min_hold after it was taken once the run ends.
+        renew = partial(self.keeper_store.renew, ttl=ttl, enforce=enforced)
         try:
             # The earlier delivery this one waited for may have run to its end between the look
             # above and this acquisition: then the work is done.
@@ -656,11 +652,7 @@ class Fence:
             return self._refused(task, header.lease, got, enforced, "resume")
         # A continuation that joined a held lease is one more sharer: releasing it only leaves;
         # the lease is released when its last sharer releases it.
-        keeper_store = self.keeper_store
-
-        def renew(lease: Lease) -> Lease:
-            return keeper_store.renew(lease, enforce=enforced)
-
+        renew = partial(self.keeper_store.renew, enforce=enforced)
         try:
             keeper = LeaseKeeper(got.lease, renew, interval=interval).start()
         except BaseException:
