@@ -1344,11 +1344,17 @@ class LeaseStore:
             raise _wrap(exc) from exc
         return bool(claimed)
 
-    def dispatches(self, schedule: str, *, limit: int = 100) -> list[Dispatch]:
-        """Slots dispatched for ``schedule`` (the scheduler's lease name), newest first."""
-        rows = self._rows(
-            "dispatches", {"schedule": validation.check_name(schedule), "limit": self._limit(limit)}
-        )
+    def dispatches(
+        self, schedule: str, *, entry: str | None = None, limit: int = 100
+    ) -> list[Dispatch]:
+        """Slots dispatched for ``schedule`` (the scheduler's lease name), newest first; only
+        those of ``entry`` when given."""
+        params = {"schedule": validation.check_name(schedule), "limit": self._limit(limit)}
+        if entry is None:
+            rows = self._rows("dispatches", params)
+        else:
+            params["entry"] = validation.check_text(entry, "entry", max_length=_MAX_ENTRY_LENGTH)
+            rows = self._rows("entry_dispatches", params)
         return [Dispatch(**row) for row in rows]
 
     # -- the kill switch --------------------------------------------------------------------

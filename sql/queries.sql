@@ -132,3 +132,9 @@ SELECT * FROM celery_fence.dispatches d
 WHERE d.schedule = :schedule
 ORDER BY d.slot DESC, d.entry
 LIMIT :limit
+
+-- name: entry_dispatches
+SELECT * FROM celery_fence.dispatches d
+WHERE d.schedule = :schedule AND d.entry = :entry
+ORDER BY d.slot DESC
+LIMIT :limit

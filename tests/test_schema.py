@@ -506,6 +506,10 @@ LISTINGS = {
     "one environment's": ("stale_runs", {"environment": "env3", "lease_name": None, "limit": 100}),
     "one lease's": ("stale_runs", {"environment": None, "lease_name": "lease:3", "limit": 100}),
     "a schedule's dispatches": ("dispatches", {"schedule": "scheduler:1", "limit": 100}),
+    "one entry's dispatches": (
+        "entry_dispatches",
+        {"schedule": "scheduler:1", "entry": "entry3", "limit": 1},
+    ),
 }
 
 

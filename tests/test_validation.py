@@ -258,6 +258,13 @@ def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     assert got.lease is not None
     for at in (slot, slot.replace(microsecond=500_000)):
         assert store.claim_slot(got.lease, entry="e" * 454, slot=at, task="tasks.plan")
+    statements.clear()
+    with pytest.raises(ConfigurationError, match=r"^entry must be at most 454 characters"):
+        store.dispatches("scheduler:plans", entry="e" * 455)
+    assert statements == []
+    [latest] = store.dispatches("scheduler:plans", entry="e" * 454, limit=1)
+    assert latest.slot == slot.replace(microsecond=500_000)
+    assert store.dispatches("scheduler:plans", entry="e" * 453) == []
 
 
 BAD_STORES: dict[str, dict[str, Any]] = {

@@ -13,18 +13,21 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 from freezegun import freeze_time
+from freezegun.api import FrozenDateTimeFactory
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy.engine import Engine, make_url
 
 from celery_fence import LeaseStore, SchemaNotInstalledError
 from celery_fence.contrib.celery import HEADER, Fence
-from celery_fence.contrib.celery.beat import FencedScheduler
+from celery_fence.contrib.celery.beat import FencedScheduler, slot_of
 
 ENTRY = "plan-retention"
 #: A period of a century, whose slot began in 1970: every slot a test claims is that one, and
@@ -401,6 +404,119 @@ def test_a_standby_that_takes_over_sends_the_slot_that_began_while_nobody_led(
     slots = sorted(d.slot.strftime("%H:%M") for d in fake_store.dispatches(leader.lease_name))
     assert slots == ["10:00", "10:01"]
     assert len(queued(clocked_app)) == 2
+
+
+def lead_until(instance: FencedScheduler, frozen: FrozenDateTimeFactory, until: str) -> None:
+    """Tick ``instance`` every second, as a running beat does, until ``until`` (HH:MM:SS)."""
+    stop = datetime.fromisoformat(f"2030-01-01T{until}+00:00")
+    while datetime.now(timezone.utc) < stop:
+        instance.tick()
+        frozen.tick(1)
+
+
+@pytest.mark.parametrize("deadline", [None, 30])
+def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
+    clocked_app: Celery, fake_store: LeaseStore, deadline: int | None
+) -> None:
+    """The leader sends 10:00 of a crontab every two minutes and stops at 10:01:59; the standby
+    passes 10:02 while the lease still holds, and takes over at 10:03:10. Counting from the
+    latest slot claimed (10:00), as Celery counts from its schedule file, it sends the 10:02
+    occurrence at once, under that slot; Celery's ``beat_cron_starting_deadline`` (30 s) makes
+    it too late."""
+    clocked_app.conf.beat_cron_starting_deadline = deadline
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 1, 59, tzinfo=timezone.utc):
+                leader.tick()
+                standby.tick()
+                frozen.tick(1)
+            assert leader.lease is not None
+            lead_until(standby, frozen, "10:02:05")  # the leader's lease still holds
+            assert standby.lease is None
+            frozen.move_to("2030-01-01T10:03:10+00:00")
+            lead_until(standby, frozen, "10:04:10")
+            assert standby.lease is not None
+        finally:
+            leader.close()
+            standby.close()
+    sent = sorted(
+        (d.slot.strftime("%H:%M"), d.holder == standby.holder)
+        for d in fake_store.dispatches(leader.lease_name)
+    )
+    caught_up = [] if deadline else [("10:02", True)]
+    assert sent == [("10:00", False), *caught_up, ("10:04", True)]
+    assert len(queued(clocked_app)) == len(sent)
+
+
+def test_a_takeover_that_cannot_read_the_claims_leads_on_and_says_so(
+    clocked_app: Celery, fake_store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claims cannot be read when the standby takes over (the table is away): it leads,
+    with its crontab counted from its own last pass, and says that nothing was caught up."""
+    caplog.set_level(logging.WARNING, "celery_fence")
+    rename = "ALTER TABLE celery_fence.{} RENAME TO {}"
+    with freeze_time("2030-01-01T10:01:00+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            with fake_store.engine.begin() as conn:
+                conn.exec_driver_sql(rename.format("dispatches", "dispatches_away"))
+            try:
+                beat.tick()
+            finally:
+                with fake_store.engine.begin() as conn:
+                    conn.exec_driver_sql(rename.format("dispatches_away", "dispatches"))
+            assert beat.lease is not None
+            lead_until(beat, frozen, "10:02:30")
+        finally:
+            beat.close()
+    [line] = [r.getMessage() for r in caplog.records if "could not read" in r.getMessage()]
+    assert line.startswith(
+        f"beat could not read the slots claimed before it led {beat.lease_name}; crontab "
+        "entries count from their next occurrence: "
+    )
+    assert [d.slot.strftime("%H:%M") for d in fake_store.dispatches(beat.lease_name)] == ["10:02"]
+
+
+def test_a_crontab_slot_is_counted_in_the_apps_time_zone() -> None:
+    """03:00 in Kolkata (UTC+05:30) is 21:30 UTC the day before."""
+    app = Celery("crontab-zone", set_as_current=False)
+    app.conf.timezone = "Asia/Kolkata"
+    schedule = crontab(minute=0, hour=3, app=app)
+    entry = ScheduleEntry(name=ENTRY, task="example.plan_retention", schedule=schedule, app=app)
+    now = datetime(2030, 1, 1, 12, 0, tzinfo=timezone.utc)
+    assert slot_of(entry, now) == datetime(2029, 12, 31, 21, 30, tzinfo=timezone.utc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    minutes=st.sets(st.integers(0, 59), min_size=1, max_size=4),
+    hours=st.sets(st.integers(0, 23), min_size=1, max_size=3),
+    days_of_week=st.sets(st.integers(0, 6), min_size=1, max_size=7),
+    now=st.datetimes(datetime(2029, 1, 1), datetime(2031, 1, 1), timezones=st.just(timezone.utc)),
+)
+def test_a_crontab_slot_is_its_latest_occurrence(
+    minutes: set[int], hours: set[int], days_of_week: set[int], now: datetime
+) -> None:
+    """Whenever a crontab entry is sent, its slot is the crontab's latest minute at or before
+    then: the same on every instance, also for a send a tick or a takeover made late."""
+    app = Celery("crontab-slots", set_as_current=False)
+    schedule = crontab(
+        minute=",".join(map(str, sorted(minutes))),
+        hour=",".join(map(str, sorted(hours))),
+        day_of_week=",".join(map(str, sorted(days_of_week))),
+        app=app,
+    )
+    entry = ScheduleEntry(name=ENTRY, task="example.plan_retention", schedule=schedule, app=app)
+    expected = now.replace(second=0, microsecond=0)
+    while not (
+        expected.minute in minutes
+        and expected.hour in hours
+        and expected.isoweekday() % 7 in days_of_week
+    ):
+        expected -= timedelta(minutes=1)
+    assert slot_of(entry, now) == expected
 
 
 def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(

@@ -17,13 +17,14 @@ import os
 import socket
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from celery import schedules
 from celery.beat import ScheduleEntry, Scheduler
 
 from celery_fence.exceptions import (
+    ConfigurationError,
     FenceDatabaseError,
     LeaseLostError,
     LeasePausedError,
@@ -39,20 +40,41 @@ from .headers import HEADER, FenceHeader, published
 
 def slot_of(entry: ScheduleEntry, now: datetime) -> datetime:
     """The slot a due entry fires for, the same on every instance: interval schedules in
-    buckets of their period counted from the Unix epoch, crontabs by the minute, anything else
-    by the second."""
+    buckets of their period counted from the Unix epoch, crontabs by their latest occurrence at
+    or before ``now`` (also when sent late), anything else by the second."""
+    schedule = entry.schedule
+    if isinstance(schedule, schedules.crontab):
+        return _latest_occurrence(schedule, now)
     step = _slot_seconds(entry)
     return datetime.fromtimestamp(math.floor(now.timestamp() / step) * step, tz=timezone.utc)
 
 
 def _slot_seconds(entry: ScheduleEntry) -> float:
-    """How long one slot of ``entry`` lasts (see :func:`slot_of`)."""
+    """How long one slot of an entry that is not a crontab lasts (see :func:`slot_of`)."""
     schedule = entry.schedule
-    if isinstance(schedule, schedules.crontab):
-        return 60.0
     if isinstance(schedule, schedules.schedule):
         return max(float(schedule.run_every.total_seconds()), 1.0)
     return 1.0
+
+
+def _next_occurrence(schedule: schedules.crontab, after: datetime) -> datetime:
+    """The crontab's first occurrence after ``after``, in UTC, as Celery's own schedule counts
+    it (in the schedule's time zone)."""
+    start, delta, _ = schedule.remaining_delta(after)
+    occurrence: datetime = start + delta
+    return occurrence.astimezone(timezone.utc)
+
+
+def _latest_occurrence(schedule: schedules.crontab, now: datetime) -> datetime:
+    """The crontab's latest occurrence at or before ``now``: it looks back a minute, then twice
+    as far each time until an occurrence falls in between (Celery refuses a crontab that never
+    occurs), then forward to the last one."""
+    back = timedelta(minutes=1)
+    while (occurrence := _next_occurrence(schedule, now - back)) > now:
+        back *= 2
+    while (later := _next_occurrence(schedule, occurrence)) <= now:
+        occurrence = later
+    return occurrence
 
 
 def _on_the_grid(entry: ScheduleEntry, now: datetime, *, catch_up: bool = False) -> None:
@@ -123,10 +145,37 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         """Make each interval entry due at once for its current slot if that slot began less
         than half a period ago, else at its next slot: a leader that starts or takes over then
         sends a slot whose start fell while no instance led, unless one sent it already (its
-        claim says)."""
+        claim says). A leader counts each crontab entry's last run from its latest claimed slot
+        (see :meth:`_crontabs_from_their_claims`)."""
         now = datetime.now(timezone.utc)
         for entry in self.schedule.values():
             _on_the_grid(entry, now, catch_up=True)
+        if self.lease is not None:
+            self._crontabs_from_their_claims()
+
+    def _crontabs_from_their_claims(self) -> None:
+        """Count each crontab entry's last run from the latest slot of it any instance claimed,
+        as Celery's own scheduler counts it from its schedule file: an occurrence that fell
+        since, while no instance led, comes due at once, within Celery's
+        ``beat_cron_starting_deadline`` when set. An entry never sent keeps its own count."""
+        for entry in self.schedule.values():
+            if not isinstance(entry.schedule, schedules.crontab):
+                continue
+            try:
+                claimed = self.fence.store.dispatches(self.lease_name, entry=entry.name, limit=1)
+            except ConfigurationError:
+                continue  # a name no slot can be claimed for: its dispatch says so
+            except FenceDatabaseError as exc:
+                log.warning(
+                    "beat could not read the slots claimed before it led %s; crontab entries "
+                    "count from their next occurrence: %s",
+                    self.lease_name,
+                    exc,
+                    extra={"lease": self.lease_name},
+                )
+                return
+            if claimed:
+                entry.last_run_at = claimed[0].slot
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
