@@ -85,7 +85,10 @@ Executor = sa.Connection | Session | scoped_session[Session]
 #: its request is unacknowledged, instead of leaving the call waiting, and its caller (a run's
 #: end, the renewals of every lease in the process) with it, for as long as the kernel's
 #: defaults allow (minutes to hours).
-CONNECT_DEFAULTS: dict[str, int] = {
+CONNECT_DEFAULTS: dict[str, int | str] = {
+    # What pg_stat_activity and the server's log show for a session that names no application
+    # (neither application_name nor PGAPPNAME).
+    "fallback_application_name": "celery-fence",
     "connect_timeout": 10,
     "keepalives": 1,
     "keepalives_idle": 30,
@@ -120,7 +123,7 @@ def engine_from_url(url: str, **kwargs: Any) -> Engine:
         raise ConfigurationError(f"no database driver for {parsed.drivername!r}: {exc}") from exc
 
 
-def _connect_defaults(url: sa.URL) -> dict[str, int]:
+def _connect_defaults(url: sa.URL) -> dict[str, int | str]:
     """:data:`CONNECT_DEFAULTS` that ``url`` (a psycopg URL) leaves unset and this libpq knows."""
     libpq = url.get_dialect().import_dbapi().pq.version()
     return {

@@ -1249,8 +1249,15 @@ def test_an_engine_from_a_url_bounds_connecting_and_keeps_connections_alive(
 
     assert {
         key: parameters(engine_from_url(database_url)).get(key)
-        for key in ("connect_timeout", "keepalives", "keepalives_idle", "tcp_user_timeout")
+        for key in (
+            "fallback_application_name",
+            "connect_timeout",
+            "keepalives",
+            "keepalives_idle",
+            "tcp_user_timeout",
+        )
     } == {
+        "fallback_application_name": "celery-fence",
         "connect_timeout": "10",
         "keepalives": "1",
         "keepalives_idle": "30",
@@ -1261,6 +1268,26 @@ def test_an_engine_from_a_url_bounds_connecting_and_keeps_connections_alive(
         engine_from_url(f"{database_url}?connect_timeout=3", connect_args={"keepalives_idle": 5})
     )
     assert (mine["connect_timeout"], mine["keepalives_idle"]) == ("3", "5")
+
+
+def test_the_server_sees_sessions_named_celery_fence_unless_they_name_themselves(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def application_name(url: str) -> str:
+        store = LeaseStore.from_url(url)
+        try:
+            with store.protocol_connection() as connection:
+                query = "SELECT application_name FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+                (name,) = connection.execute(query).fetchone()
+                return str(name)
+        finally:
+            store.dispose()
+
+    monkeypatch.delenv("PGAPPNAME", raising=False)
+    assert application_name(database_url) == "celery-fence"
+    assert application_name(f"{database_url}?application_name=billing") == "billing"
+    monkeypatch.setenv("PGAPPNAME", "beat-eu")
+    assert application_name(database_url) == "beat-eu"
 
 
 def test_a_server_that_accepts_but_never_answers_fails_the_call_in_seconds(
