@@ -241,6 +241,65 @@ def test_a_slot_is_claimed_and_sent_at_most_once_across_instances(
     assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
 
 
+def test_a_standby_says_where_its_schedule_or_environment_differs_from_the_leaders(
+    store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four instances of one beat lease: the leader, one configured alike, one with an entry
+    more and one of another environment. Only the last two say that the leader's lease
+    differs, and how."""
+    caplog.set_level(logging.WARNING, "celery_fence")
+    schedule = {ENTRY: {"task": "example.plan_retention", "schedule": PERIOD}}
+    more = {**schedule, "purge": {"task": "example.purge", "schedule": PERIOD, "args": (7,)}}
+    configurations = {
+        "leader": (schedule, "default"),
+        "alike": (schedule, "default"),
+        "entry more": (more, "default"),
+        "staging": (schedule, "staging"),
+    }
+    instances = {}
+    apps = []
+    try:
+        for label, (beat_schedule, environment) in configurations.items():
+            app = Celery("beat-config", set_as_current=False)
+            app.conf.update(
+                broker_url="memory://",
+                result_expires=None,
+                beat_schedule=beat_schedule,
+                fence_beat_lease="scheduler:shared",
+                fence_environment=environment,
+            )
+            Fence(app, store=store)
+            apps.append(app)
+            instances[label] = FencedScheduler(app=app, lazy=False)
+            instances[label].tick()
+        assert instances["leader"].lease is not None
+        leader = instances["leader"].purpose
+        assert instances["alike"].purpose == leader
+        assert re.fullmatch(r"celery beat, schedule [0-9a-f]{12}", leader)
+        assert instances["leader"].info.endswith(f". purpose -> {leader} (1 entry)")
+    finally:
+        for instance in instances.values():
+            instance.close()
+        for app in apps:
+            app.close()
+    standby = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("beat on standby")
+    ]
+    assert len(standby) == 3
+    said = f"standby: {instances['leader'].holder} leads at epoch 1"
+    assert f"beat on standby for scheduler:shared: {said}" in standby  # the one alike
+    more_purpose = instances["entry more"].purpose
+    assert more_purpose != leader
+    assert (
+        f"beat on standby for scheduler:shared: {said}; the leader's lease differs: purpose "
+        f"{leader!r}, this instance's {more_purpose!r}"
+    ) in standby
+    assert (
+        f"beat on standby for scheduler:shared: {said}; the leader's lease differs: environment "
+        "default, this instance's staging"
+    ) in standby
+
+
 def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_expires(
     app: Celery,
     store: LeaseStore,

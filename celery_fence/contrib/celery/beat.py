@@ -12,11 +12,13 @@ transaction, so a slot is dispatched at most once even if two instances believe 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -31,7 +33,7 @@ from celery_fence.exceptions import (
     SchemaNotInstalledError,
 )
 from celery_fence.keeper import retry_after_failure
-from celery_fence.models import Lease
+from celery_fence.models import Lease, Owner
 from celery_fence.observe import log
 
 from .fence import Fence
@@ -96,6 +98,16 @@ def _on_the_grid(entry: ScheduleEntry, now: datetime, *, catch_up: bool = False)
     entry.last_run_at = min(schedule.maybe_make_aware(entry.last_run_at), target)
 
 
+def schedule_digest(entries: Iterable[ScheduleEntry]) -> str:
+    """Twelve hex digits that every instance running the same schedule computes alike: from
+    each entry's name, task, schedule, arguments and keyword arguments."""
+    described = sorted(
+        (entry.name, entry.task, repr(entry.schedule), repr(entry.args), repr(entry.kwargs))
+        for entry in entries
+    )
+    return hashlib.sha256(repr(described).encode()).hexdigest()[:12]
+
+
 class FencedScheduler(Scheduler):  # type: ignore[misc]
     """The beat scheduler of celery-fence (alias ``fence`` for ``celery beat -S``)."""
 
@@ -129,12 +141,20 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
 
     @property
     def info(self) -> str:
+        entries = len(self.schedule)
         return (
             f"    . lease -> {self.lease_name} (ttl {self.ttl:g}s, renew every "
             f"{self.renew_interval:g}s, held at most {self.max_hold:g}s at one epoch, "
             f"environment {self.fence.settings.environment})\n"
-            f"    . holder -> beat@{socket.gethostname()}:{os.getpid()} (and a nonce per start)"
+            f"    . holder -> beat@{socket.gethostname()}:{os.getpid()} (and a nonce per start)\n"
+            f"    . purpose -> {self.purpose} ({entries} {'entry' if entries == 1 else 'entries'})"
         )
+
+    @property
+    def purpose(self) -> str:
+        """The purpose of the lease this instance takes: its schedule, by digest (see
+        :func:`schedule_digest`)."""
+        return f"celery beat, schedule {schedule_digest(self.schedule.values())}"
 
     def setup_schedule(self) -> None:
         """The schedule, on the grid of its slots (see :meth:`_catch_up`)."""
@@ -250,7 +270,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 ttl=self.ttl,
                 environment=self.fence.settings.environment,
                 max_hold=self.max_hold,
-                purpose="celery beat",
+                purpose=self.purpose,
             )
         except LeasePausedError as exc:
             self._standby(f"lease paused: {exc}")
@@ -272,7 +292,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 )
                 return
             self._standby(
-                f"standby: {owner.holder} leads at epoch {owner.epoch}" if owner else got.outcome
+                f"standby: {owner.holder} leads at epoch {owner.epoch}{self._disagreement(owner)}"
+                if owner
+                else got.outcome
             )
             return
         if got.lease.epoch <= self.highest_epoch:
@@ -358,6 +380,21 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             due, _ = self.is_due(entry)
             if due:
                 self.reserve(entry)
+
+    def _disagreement(self, owner: Owner) -> str:
+        """What the leader's lease says of its schedule and environment where this instance's
+        differ (an instance left on an older configuration, or one of another environment on
+        the same lease), to be said with the standby's reason; empty where they agree."""
+        environment = self.fence.settings.environment
+        purpose = self.purpose
+        differences = []
+        if owner.purpose != purpose:
+            differences.append(f"purpose {owner.purpose!r}, this instance's {purpose!r}")
+        if owner.environment != environment:
+            differences.append(f"environment {owner.environment}, this instance's {environment}")
+        if not differences:
+            return ""
+        return f"; the leader's lease differs: {'; '.join(differences)}"
 
     def _until_renewal(self) -> float:
         return self._renew_at - time.monotonic()
