@@ -634,10 +634,22 @@ def _whoami() -> str:
 @click.argument("name")
 @click.option("--reason", required=True, help="Why: shown to everyone who tries to acquire.")
 @click.option("--by", default=_whoami, show_default="USER@HOST", help="Who pauses.")
+@click.option(
+    "--new",
+    is_flag=True,
+    help="Pause a lease no one has acquired yet (created paused); without it, a name no lease "
+    "has is refused, so that a mistyped name does not pause nothing.",
+)
 @click.pass_obj
-def pause(settings: Settings, name: str, reason: str, by: str) -> None:
+def pause(settings: Settings, name: str, reason: str, by: str, new: bool) -> None:
     """Stop lease NAME from being acquired or renewed; its holder's fenced writes are rejected."""
-    owner = settings.store().pause(name, reason=reason, by=by)
+    store = settings.store()
+    if not new and store.owner(name) is None:
+        raise CommandError(
+            f"no lease named {name}: nothing paused (to pause a lease before its first "
+            "acquisition, pass --new)"
+        )
+    owner = store.pause(name, reason=reason, by=by)
     echo_json({"outcome": "paused", "owner": owner_dict(owner)})
 
 

@@ -238,7 +238,7 @@ def test_the_loser_learns_the_owner_and_never_a_token(database_url: str) -> None
 
 
 def test_acquire_on_a_paused_lease_exits_4(database_url: str) -> None:
-    cli(database_url, "pause", "job", "--reason", "investigating", "--by", "ops")
+    cli(database_url, "pause", "job", "--new", "--reason", "investigating", "--by", "ops")
     result = acquire(database_url, "job", "a")
     assert result.exit_code == ExitCode.PAUSED
     got = answer(result)
@@ -540,8 +540,25 @@ def test_pause_and_resume(database_url: str) -> None:
 
 
 def test_pause_defaults_by_to_user_at_host(database_url: str) -> None:
-    owner = answer(cli(database_url, "pause", "new-lease", "--reason", "not yet"))["owner"]
+    owner = answer(cli(database_url, "pause", "new-lease", "--new", "--reason", "not yet"))["owner"]
     assert re.fullmatch(r".+@.+", owner["paused_by"]), owner["paused_by"]
+    assert (owner["holder"], owner["epoch"], owner["state"]) == ("", 0, "paused")
+
+
+def test_pause_of_a_name_no_lease_has_is_refused_unless_new(database_url: str) -> None:
+    """A mistyped name pauses nothing, and says so, instead of creating a paused lease nobody
+    uses while the real one runs on."""
+    acquire(database_url, "release:prod", "deploy")
+    result = cli(database_url, "pause", "release:prdo", "--reason", "incident")
+    assert_error(
+        result,
+        ExitCode.ERROR,
+        "no lease named release:prdo: nothing paused",
+        "pass --new",
+    )
+    assert result.stdout == ""
+    names = [owner["name"] for owner in answer(cli(database_url, "status", "--json"))]
+    assert names == ["release:prod"]
 
 
 def test_resume_of_an_unknown_lease_is_one_line(database_url: str) -> None:

@@ -17,6 +17,9 @@ The conventions a page follows (each is enforced below):
     page's database;
   - every command of a block after ``<!-- run -->``; those of a block after
     ``<!-- run: background -->`` are started in the background and stopped when the page ends;
+  - before a block after ``<!-- meanwhile: COMMAND -->``, ``COMMAND`` (a ``celery-fence``
+    command), unseen: what processes the reader started on the page (a beat, a worker) have
+    done by then, which this runner does not start;
   - ``$ export NAME=...`` of a variable this runner sets itself (:data:`PROVIDED`) is not run,
     nor is ``$ createdb ...``: the runner gives each page a fresh database of its own;
   - ``$ pip install ...`` must name this project and extras it has;
@@ -101,7 +104,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
 #: Pages whose examples a dedicated test runs, and the test.
 DELEGATED = {"reference/cli.md": "tests/test_cli.py"}
 KNOWN_MARKERS = re.compile(
-    r"^(run|run: background|file: [\w./-]+|grants: (superuser|owner|reader))$"
+    r"^(run|run: background|file: [\w./-]+|grants: (superuser|owner|reader)"
+    r"|meanwhile: celery-fence .+)$"
 )
 COMMAND_TIMEOUT = 120.0
 STOP_TIMEOUT = 30.0
@@ -296,6 +300,11 @@ class PageRun:
     def run(self) -> None:
         for block in blocks(self.page):
             marker = block.marker or ""
+            if marker.startswith("meanwhile: "):
+                text = marker.removeprefix("meanwhile: ")
+                self.command(
+                    Command(block=block, line=block.line, text=text, output="", exit_code=0)
+                )
             if marker.startswith("file: "):
                 (self.workdir / marker.removeprefix("file: ")).write_text(block.body)
             elif marker == "run" and block.language == "python":
@@ -480,7 +489,9 @@ def test_the_docs_have_runnable_pages() -> None:
 def test_markers_are_known_and_mark_something_runnable() -> None:
     wrong = []
     for block in all_blocks():
-        if block.marker is None or not block.marker.startswith(("run", "file", "grants")):
+        if block.marker is None or not block.marker.startswith(
+            ("run", "file", "grants", "meanwhile")
+        ):
             continue
         if not KNOWN_MARKERS.match(block.marker):
             wrong.append(f"{block.where}: unknown marker <!-- {block.marker} -->")
