@@ -1354,10 +1354,10 @@ class LeaseStore:
         those of ``entry`` when given."""
         params = {"schedule": validation.check_name(schedule), "limit": self._limit(limit)}
         if entry is None:
-            rows = self._rows("dispatches", params)
+            rows = self._read("dispatches", params)
         else:
             params["entry"] = validation.check_text(entry, "entry", max_length=_MAX_ENTRY_LENGTH)
-            rows = self._rows("entry_dispatches", params)
+            rows = self._read("entry_dispatches", params)
         return [Dispatch(**row) for row in rows]
 
     # -- the kill switch --------------------------------------------------------------------
@@ -1412,11 +1412,11 @@ class LeaseStore:
     def owner(self, name: str) -> Owner | None:
         """The lease's current safe metadata, or ``None`` if it was never taken or paused."""
         return _owner_of(
-            self._rows("owner", {"name": validation.check_name(name), "now": self._now()})
+            self._read("owner", {"name": validation.check_name(name), "now": self._now()})
         )
 
     def leases(self, environment: str | None = None) -> list[Owner]:
-        rows = self._rows(
+        rows = self._read(
             "leases", {"environment": self._optional_environment(environment), "now": self._now()}
         )
         return [owner for row in rows if (owner := _owner(row)) is not None]
@@ -1425,7 +1425,7 @@ class LeaseStore:
         self, *, environment: str | None = None, lease_name: str | None = None, limit: int = 100
     ) -> list[StaleRun]:
         """Rejected stale runs, newest first."""
-        rows = self._rows(
+        rows = self._read(
             "stale_runs",
             {
                 "environment": self._optional_environment(environment),
@@ -1437,7 +1437,7 @@ class LeaseStore:
 
     def history(self, name: str, *, limit: int = 100) -> list[HistoryEntry]:
         """Who won each epoch of the lease, newest first."""
-        rows = self._rows(
+        rows = self._read(
             "history",
             {"name": validation.check_name(name), "limit": self._limit(limit), "now": self._now()},
         )
@@ -1446,7 +1446,7 @@ class LeaseStore:
     def released_by(self, name: str, *, since_epoch: int, holder_prefix: str) -> bool:
         """Whether an epoch of the lease from ``since_epoch`` on ended released by a holder whose
         name starts with ``holder_prefix`` (a run of one message, whatever its host)."""
-        (row,) = self._rows(
+        (row,) = self._read(
             "released_by",
             {
                 "name": validation.check_name(name),
@@ -1532,6 +1532,13 @@ class LeaseStore:
                 self._connections.checkin(cursor, generation)
         except self._driver_errors as exc:
             raise _wrap(exc) from exc
+
+    def _read(self, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """A read's rows (:meth:`_rows`), its wait for a table that maintenance holds (``VACUUM
+        FULL``, a migration) bounded by ``lock_timeout``: past it, :class:`FenceDatabaseError`.
+        In a transaction of its own, so that the bound is not left on a session that a
+        transaction-pooling PgBouncer hands to others."""
+        return self._rows(query, params, lock_timeout=self.lock_timeout)
 
     def _run(self, cursor: Any, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Execute a named statement on a DB-API cursor; its rows as dicts."""

@@ -427,6 +427,26 @@ def test_a_call_kept_waiting_by_a_fenced_writer_is_one_line_and_changes_nothing(
     assert answer(cli(database_url, command, *args))["outcome"] == done
 
 
+@pytest.mark.parametrize("command", [("status",), ("history", "job"), ("stale-runs",)])
+def test_a_read_kept_waiting_by_a_table_lock_is_one_line_after_the_lock_timeout(
+    database_url: str, store: LeaseStore, command: tuple[str, ...]
+) -> None:
+    """Maintenance (VACUUM FULL, a migration) holds the tables: a read gives up after the lock
+    timeout instead of waiting for it."""
+    acquire(database_url, "job", "a")
+    with store.engine.begin() as maintenance:
+        maintenance.exec_driver_sql(
+            "LOCK TABLE celery_fence.leases, celery_fence.lease_history, celery_fence.stale_runs "
+            "IN ACCESS EXCLUSIVE MODE"
+        )
+        started = time.monotonic()
+        result = cli(database_url, "--lock-timeout", "0.5", *command)
+        waited = time.monotonic() - started
+    assert_error(result, ExitCode.ERROR, "lock timeout")
+    assert 0.5 <= waited < 5
+    assert cli(database_url, *command).exit_code == ExitCode.OK
+
+
 def test_a_lock_timeout_beyond_a_minute_is_bad_input(database_url: str) -> None:
     result = cli(database_url, "--lock-timeout", "61", "pause", "job", "--reason", "audit")
     assert_error(result, ExitCode.USAGE, "--lock-timeout must be at most 60 seconds, got 61")
