@@ -291,7 +291,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     default="default",
     show_default=True,
     show_envvar=True,
-    help="Environment of the leases this command acquires or pauses.",
+    help="Environment of the leases this command acquires or creates paused (pause --new).",
 )
 @click.option(
     "--lock-timeout",
@@ -680,9 +680,9 @@ def _filter_note(environment_filter: str | None) -> None:
         and group.get_parameter_source("environment") is click.core.ParameterSource.COMMANDLINE
     ):
         click.echo(
-            f"note: celery-fence --environment names the environment of the leases a command "
-            f"acquires or pauses; {ctx.info_name} shows every environment unless given its own "
-            f"(celery-fence {ctx.info_name} --environment {group.params['environment']})",
+            "note: celery-fence --environment names the environment of the leases a command "
+            f"acquires or creates paused; {ctx.info_name} shows every environment unless given "
+            f"its own (celery-fence {ctx.info_name} --environment {group.params['environment']})",
             err=True,
         )
 

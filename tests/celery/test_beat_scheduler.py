@@ -9,11 +9,15 @@ the schedulers send can be counted there; the slots they claimed are rows in
 from __future__ import annotations
 
 import logging
+import os
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -548,7 +552,8 @@ def test_a_crontab_slot_is_counted_in_the_apps_time_zone() -> None:
     assert slot_of(entry, now) == datetime(2029, 12, 31, 21, 30, tzinfo=timezone.utc)
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize("zone", ["UTC", "Asia/Kolkata"])
+@settings(max_examples=200, deadline=None)
 @given(
     minutes=st.sets(st.integers(0, 59), min_size=1, max_size=4),
     hours=st.sets(st.integers(0, 23), min_size=1, max_size=3),
@@ -556,11 +561,13 @@ def test_a_crontab_slot_is_counted_in_the_apps_time_zone() -> None:
     now=st.datetimes(datetime(2029, 1, 1), datetime(2031, 1, 1), timezones=st.just(timezone.utc)),
 )
 def test_a_crontab_slot_is_its_latest_occurrence(
-    minutes: set[int], hours: set[int], days_of_week: set[int], now: datetime
+    zone: str, minutes: set[int], hours: set[int], days_of_week: set[int], now: datetime
 ) -> None:
     """Whenever a crontab entry is sent, its slot is the crontab's latest minute at or before
-    then: the same on every instance, also for a send a tick or a takeover made late."""
+    then, on the app's clock: the same on every instance, also for a send a tick or a takeover
+    made late."""
     app = Celery("crontab-slots", set_as_current=False)
+    app.conf.timezone = zone
     schedule = crontab(
         minute=",".join(map(str, sorted(minutes))),
         hour=",".join(map(str, sorted(hours))),
@@ -570,12 +577,73 @@ def test_a_crontab_slot_is_its_latest_occurrence(
     entry = ScheduleEntry(name=ENTRY, task="example.plan_retention", schedule=schedule, app=app)
     expected = now.replace(second=0, microsecond=0)
     while not (
-        expected.minute in minutes
-        and expected.hour in hours
-        and expected.isoweekday() % 7 in days_of_week
+        (local := expected.astimezone(ZoneInfo(zone))).minute in minutes
+        and local.hour in hours
+        and local.isoweekday() % 7 in days_of_week
     ):
         expected -= timedelta(minutes=1)
     assert slot_of(entry, now) == expected
+
+
+def test_a_takeover_does_not_catch_up_a_crontab_that_changed_since_its_latest_slot(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """The entry went out at 10:00 every two minutes; redeployed to run at minute 1 and 3 of
+    each hour, a beat taking over at 10:04:10 does not count from 10:00, which is no occurrence
+    of it now, and so does not send at once the 10:01 it never had."""
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        before = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            lead_until(before, frozen, "10:00:10")
+        finally:
+            before.close()
+        clocked_app.conf.beat_schedule = {
+            ENTRY: {"task": "example.plan_retention", "schedule": crontab("1,3")}
+        }
+        frozen.move_to("2030-01-01T10:04:10+00:00")
+        after = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            lead_until(after, frozen, "10:05:00")
+            assert after.lease is not None
+        finally:
+            after.close()
+    assert [d.slot.strftime("%H:%M") for d in fake_store.dispatches(after.lease_name)] == ["10:00"]
+
+
+def test_the_schedule_digest_is_the_same_in_every_process_and_tells_schedules_apart() -> None:
+    """Sets in an entry's arguments are hashed by seed in each process; the digest is not.
+    Intervals a few minutes apart, and crontabs of two time zones, differ."""
+    script = """
+from datetime import timedelta
+from celery import Celery
+from celery.beat import ScheduleEntry
+from celery.schedules import crontab, schedule
+from celery_fence.contrib.celery.beat import schedule_digest
+def digest(every, zone="UTC"):
+    app = Celery("digest", set_as_current=False)
+    app.conf.timezone = zone
+    entries = [
+        ScheduleEntry(name="a", task="t.a", schedule=schedule(every, app=app),
+                      kwargs={"tags": {"x", "y", "z", "w"}}, app=app),
+        ScheduleEntry(name="b", task="t.b", schedule=crontab(minute=0, hour=3, app=app), app=app),
+    ]
+    return schedule_digest(entries)
+day = timedelta(days=1)
+print(digest(day + timedelta(minutes=5)), digest(day + timedelta(minutes=10)),
+      digest(day + timedelta(minutes=5), "Europe/Berlin"))
+"""
+    printed = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    [line] = printed
+    assert len(set(line.split())) == 3
 
 
 def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(

@@ -13,6 +13,7 @@ transaction, so a slot is dispatched at most once even if two instances believe 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import socket
@@ -62,9 +63,13 @@ def _slot_seconds(entry: ScheduleEntry) -> float:
 def _next_occurrence(schedule: schedules.crontab, after: datetime) -> datetime:
     """The crontab's first occurrence after ``after``, in UTC, as Celery's own schedule counts
     it (in the schedule's time zone)."""
-    start, delta, _ = schedule.remaining_delta(after)
+    start, delta, _ = schedule.remaining_delta(after.astimezone(schedule.tz))
     occurrence: datetime = start + delta
     return occurrence.astimezone(timezone.utc)
+
+
+def _is_occurrence(schedule: schedules.crontab, when: datetime) -> bool:
+    return _next_occurrence(schedule, when - timedelta(minutes=1)) == when
 
 
 def _latest_occurrence(schedule: schedules.crontab, now: datetime) -> datetime:
@@ -100,12 +105,35 @@ def _on_the_grid(entry: ScheduleEntry, now: datetime, *, catch_up: bool = False)
 
 def schedule_digest(entries: Iterable[ScheduleEntry]) -> str:
     """Twelve hex digits that every instance running the same schedule computes alike: from
-    each entry's name, task, schedule, arguments and keyword arguments."""
+    each entry's name, task, schedule (an interval's seconds, a crontab's fields and time zone),
+    arguments and keyword arguments (sets in order, whatever the process's hash seed)."""
     described = sorted(
-        (entry.name, entry.task, repr(entry.schedule), repr(entry.args), repr(entry.kwargs))
+        json.dumps(
+            [entry.name, entry.task, _schedule_fields(entry.schedule), entry.args, entry.kwargs],
+            sort_keys=True,
+            default=_json_fields,
+        )
         for entry in entries
     )
-    return hashlib.sha256(repr(described).encode()).hexdigest()[:12]
+    return hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]
+
+
+def _schedule_fields(schedule: object) -> object:
+    if isinstance(schedule, schedules.crontab):
+        fields = ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
+        matched = [sorted(getattr(schedule, field)) for field in fields]
+        return ["crontab", *matched, str(schedule.tz)]
+    if isinstance(schedule, schedules.schedule):
+        return ["every", schedule.run_every.total_seconds(), schedule.relative]
+    return repr(schedule)
+
+
+def _json_fields(value: object) -> object:
+    """What ``json.dumps`` writes for a value it has no form for: a set's items in order, else
+    the value's ``repr``."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=repr)
+    return repr(value)
 
 
 class FencedScheduler(Scheduler):  # type: ignore[misc]
@@ -177,7 +205,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         """Count each crontab entry's last run from the latest slot of it any instance claimed,
         as Celery's own scheduler counts it from its schedule file: an occurrence that fell
         since, while no instance led, comes due at once, within Celery's
-        ``beat_cron_starting_deadline`` when set. An entry never sent keeps its own count."""
+        ``beat_cron_starting_deadline`` when set. An entry never sent, or whose latest slot is
+        not an occurrence of its crontab now (the crontab changed since), keeps its own
+        count: it comes due at its next occurrence."""
         for entry in self.schedule.values():
             if not isinstance(entry.schedule, schedules.crontab):
                 continue
@@ -194,8 +224,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                     extra={"lease": self.lease_name},
                 )
                 return
-            if claimed:
-                entry.last_run_at = claimed[0].slot
+            if claimed and _is_occurrence(entry.schedule, claimed[0].slot):
+                entry.last_run_at = claimed[0].slot.astimezone(entry.schedule.tz)
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
