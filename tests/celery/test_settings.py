@@ -6,12 +6,15 @@ lease is taken; a worker with such a configuration does not start.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from celery import Celery
 
-from celery_fence import ConfigurationError, SchemaNotInstalledError
+from celery_fence import ConfigurationError, LeaseStore, SchemaNotInstalledError
 from celery_fence.contrib.celery import Fence, FenceSettings
 
 if TYPE_CHECKING:
@@ -229,6 +232,61 @@ def test_startup_check_passes_and_needs_the_schema(
             unprepared.check_startup()
     finally:
         unprepared.store.engine.dispose()
+
+
+APP_MODULE = """
+from celery import Celery
+from celery_fence.contrib.celery import Fence
+
+app = Celery("refused", broker="memory://")
+app.conf.fence_database_url = {url!r}
+app.conf.fence_default_ttl = {ttl}
+fence = Fence(app)
+
+
+@fence.task(lease="job")
+def job():
+    pass
+"""
+
+
+@pytest.mark.parametrize("command", [["worker", "-P", "solo"], ["beat", "-S", "fence"]])
+@pytest.mark.parametrize(
+    ("ttl", "schema", "said"),
+    [
+        (30, False, "celery-fence schema is not installed or out of date"),
+        (0, True, "fence_default_ttl must be greater than 0 seconds, got 0"),
+    ],
+    ids=["no schema", "bad setting"],
+)
+def test_celery_worker_and_beat_refuse_to_start_in_one_line(
+    tmp_path: Path,
+    empty_database_url: str,
+    command: list[str],
+    ttl: int,
+    schema: bool,
+    said: str,
+) -> None:
+    """`celery worker` and `celery beat` that celery-fence keeps from starting say why in one
+    line and exit 1, as for a mistyped option, without a traceback."""
+    if schema:
+        store = LeaseStore.from_url(empty_database_url)
+        store.install()
+        store.dispose()
+    (tmp_path / "refused.py").write_text(APP_MODULE.format(url=empty_database_url, ttl=ttl))
+    result = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "refused", *command],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    name = command[0]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert line.startswith(f"Error: {name} not started: {said}")
 
 
 def test_embedded_worker_refuses_to_start_with_impossible_timings(

@@ -37,7 +37,7 @@ from celery_fence.keeper import retry_after_failure
 from celery_fence.models import Lease, Owner
 from celery_fence.observe import log
 
-from .fence import Fence
+from .fence import Fence, refuse_start
 from .headers import HEADER, FenceHeader, published
 
 
@@ -143,7 +143,10 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self.fence = Fence.of(app)
-        settings = self.fence.settings
+        try:
+            settings = self.fence.settings
+        except ConfigurationError as exc:
+            refuse_start("beat", exc)
         self.lease_name = settings.beat_lease or f"scheduler:{app.main or 'celery'}"
         # Unique per start: a container restarted with the same hostname and pid is a new holder.
         self.holder = f"beat@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -160,8 +163,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         # yet only keeps it on standby (its ticks say so).
         try:
             self.fence.store.check_schema()
-        except SchemaNotInstalledError:
-            raise
+        except (ConfigurationError, SchemaNotInstalledError) as exc:
+            refuse_start("beat", exc)
         except FenceDatabaseError as exc:
             self._standby(f"database unavailable: {exc}")
         super().__init__(app, *args, **kwargs)

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from functools import cached_property, partial
 from typing import Any, Literal, NoReturn
 
+import click
 from celery import Celery, Task, bootsteps, current_task, signals
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
@@ -188,14 +189,27 @@ def _add_header(headers: dict[str, Any] | None = None, **_: Any) -> None:
 signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celery_fence.header")
 
 
+def refuse_start(what: str, error: FenceError) -> NoReturn:
+    """Stop a worker or beat (``what``) from starting with ``error``. Under Celery's command
+    (``celery worker``, ``celery beat``, click commands), as one line and exit status 1, as for a
+    mistyped option, instead of a traceback; started from code (``start_worker``, a scheduler
+    made in a test), as ``error`` itself, for its caller."""
+    if click.get_current_context(silent=True) is None:
+        raise error
+    raise click.ClickException(f"{what} not started: {error}") from error
+
+
 class FenceWorkerStep(bootsteps.Step):  # type: ignore[misc]
     """Checks the fence settings, every fenced task's timings and the schema at worker start."""
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        # The worker's own time limit (--time-limit, else task_time_limit) bounds every task
-        # that sets none.
-        Fence.of(worker.app).check_startup(time_limit=worker.time_limit)
+        try:
+            # The worker's own time limit (--time-limit, else task_time_limit) bounds every
+            # task that sets none.
+            Fence.of(worker.app).check_startup(time_limit=worker.time_limit)
+        except FenceError as exc:
+            refuse_start("worker", exc)
 
 
 class Fence:
