@@ -611,7 +611,8 @@ def test_a_takeover_does_not_catch_up_a_crontab_that_changed_since_its_latest_sl
 
 
 def test_the_schedule_digest_is_the_same_in_every_process_and_tells_schedules_apart() -> None:
-    """Sets in an entry's arguments are hashed by seed in each process; the digest is not.
+    """Sets in an entry's arguments (of strings, of sets) are hashed by seed in each process,
+    and a mapping may mix the types of its keys; the digest is the same in every process.
     Intervals a few minutes apart, and crontabs of two time zones, differ."""
     script = """
 from datetime import timedelta
@@ -624,7 +625,9 @@ def digest(every, zone="UTC"):
     app.conf.timezone = zone
     entries = [
         ScheduleEntry(name="a", task="t.a", schedule=schedule(every, app=app),
-                      kwargs={"tags": {"x", "y", "z", "w"}}, app=app),
+                      kwargs={"tags": {"x", "y", "z", "w"},
+                              "groups": {frozenset({"b", "x", "q"}), frozenset({"a", "y", "r"})},
+                              "by": {1: "one", "two": 2, None: (3, 4)}}, app=app),
         ScheduleEntry(name="b", task="t.b", schedule=crontab(minute=0, hour=3, app=app), app=app),
     ]
     return schedule_digest(entries)
@@ -640,7 +643,7 @@ print(digest(day + timedelta(minutes=5)), digest(day + timedelta(minutes=10)),
             text=True,
             check=True,
         ).stdout
-        for seed in ("1", "2", "3")
+        for seed in ("1", "2", "3", "4", "5")
     }
     [line] = printed
     assert len(set(line.split())) == 3

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -69,7 +69,7 @@ def _next_occurrence(schedule: schedules.crontab, after: datetime) -> datetime:
 
 
 def _is_occurrence(schedule: schedules.crontab, when: datetime) -> bool:
-    return _next_occurrence(schedule, when - timedelta(minutes=1)) == when
+    return _latest_occurrence(schedule, when) == when
 
 
 def _latest_occurrence(schedule: schedules.crontab, now: datetime) -> datetime:
@@ -104,14 +104,14 @@ def _on_the_grid(entry: ScheduleEntry, now: datetime, *, catch_up: bool = False)
 
 
 def schedule_digest(entries: Iterable[ScheduleEntry]) -> str:
-    """Twelve hex digits that every instance running the same schedule computes alike: from
-    each entry's name, task, schedule (an interval's seconds, a crontab's fields and time zone),
-    arguments and keyword arguments (sets in order, whatever the process's hash seed)."""
+    """Twelve hex digits that every instance running the same schedule computes alike, in any
+    process: from each entry's name, task, schedule (an interval's seconds, a crontab's fields
+    and time zone), arguments and keyword arguments."""
     described = sorted(
         json.dumps(
-            [entry.name, entry.task, _schedule_fields(entry.schedule), entry.args, entry.kwargs],
-            sort_keys=True,
-            default=_json_fields,
+            _canonical(
+                [entry.name, entry.task, _schedule_fields(entry.schedule), entry.args, entry.kwargs]
+            )
         )
         for entry in entries
     )
@@ -128,11 +128,19 @@ def _schedule_fields(schedule: object) -> object:
     return repr(schedule)
 
 
-def _json_fields(value: object) -> object:
-    """What ``json.dumps`` writes for a value it has no form for: a set's items in order, else
-    the value's ``repr``."""
+def _canonical(value: object) -> object:
+    """``value`` as JSON can hold it, the same whatever the process's hash seed: a mapping as
+    its key and value pairs and a set as its items, each in the order of their JSON; a tuple as
+    a list; anything else JSON has no form for as its ``repr``."""
+    if isinstance(value, Mapping):
+        pairs = [[_canonical(key), _canonical(item)] for key, item in value.items()]
+        return {"mapping": sorted(pairs, key=json.dumps)}
     if isinstance(value, (set, frozenset)):
-        return sorted(value, key=repr)
+        return {"set": sorted((_canonical(item) for item in value), key=json.dumps)}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item) for item in value]
+    if value is None or isinstance(value, (str, int, float)):
+        return value
     return repr(value)
 
 

@@ -190,11 +190,12 @@ signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celer
 
 
 def refuse_start(what: str, error: FenceError) -> NoReturn:
-    """Stop a worker or beat (``what``) from starting with ``error``. Under Celery's command
-    (``celery worker``, ``celery beat``, click commands), as one line and exit status 1, as for a
-    mistyped option, instead of a traceback; started from code (``start_worker``, a scheduler
-    made in a test), as ``error`` itself, for its caller."""
-    if click.get_current_context(silent=True) is None:
+    """Stop a worker or beat (``what``) from starting with ``error``. Under Celery's command of
+    that name (``celery worker``, ``celery beat``), as one line and exit status 1, as for a
+    mistyped option, instead of a traceback; otherwise (``start_worker``, a scheduler made in a
+    test, the beat a worker's ``-B`` starts), as ``error`` itself, for its caller."""
+    context = click.get_current_context(silent=True)
+    if context is None or context.info_name != what:
         raise error
     raise click.ClickException(f"{what} not started: {error}") from error
 
