@@ -610,6 +610,41 @@ def test_a_takeover_does_not_catch_up_a_crontab_that_changed_since_its_latest_sl
     assert [d.slot.strftime("%H:%M") for d in fake_store.dispatches(after.lease_name)] == ["10:00"]
 
 
+def test_a_takeover_catches_a_crontab_up_across_a_daylight_saving_change(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """02:30 in Berlin does not exist on 2030-03-31 (clocks go from 02:00 to 03:00): Celery sends
+    that day's run at 01:30 UTC, and that slot still counts as the entry's latest occurrence. A
+    beat taking over just after the next day's 02:30 (00:30 UTC) sends it at once."""
+    clocked_app.conf.timezone = "Europe/Berlin"
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": crontab(minute=30, hour=2)}
+    }
+
+    def tick_for(instance: FencedScheduler, frozen: FrozenDateTimeFactory, seconds: int) -> None:
+        """Tick every 2 seconds, within the renew interval."""
+        for _ in range(seconds // 2):
+            instance.tick()
+            frozen.tick(2)
+
+    # 01:50 in Berlin, before the change at 01:00 UTC; led until 01:31 UTC (03:31 there).
+    with freeze_time("2030-03-31T00:50:00+00:00", ignore=["_pytest.timing"]) as frozen:
+        before = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            tick_for(before, frozen, 41 * 60)
+        finally:
+            before.close()
+        frozen.move_to("2030-04-01T00:31:00+00:00")
+        after = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            tick_for(after, frozen, 10)
+            assert after.lease is not None
+        finally:
+            after.close()
+    slots = sorted(d.slot.isoformat() for d in fake_store.dispatches(after.lease_name))
+    assert slots == ["2030-03-31T01:30:00+00:00", "2030-04-01T00:30:00+00:00"]
+
+
 def test_the_schedule_digest_is_the_same_in_every_process_and_tells_schedules_apart() -> None:
     """Sets in an entry's arguments (of strings, of sets) are hashed by seed in each process,
     and a mapping may mix the types of its keys; the digest is the same in every process.
