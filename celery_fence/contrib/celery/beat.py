@@ -304,6 +304,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 )
                 return
             self.lease = None
+        purpose = self.purpose
         try:
             got = self.fence.store.acquire(
                 self.lease_name,
@@ -311,7 +312,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 ttl=self.ttl,
                 environment=self.fence.settings.environment,
                 max_hold=self.max_hold,
-                purpose=self.purpose,
+                purpose=purpose,
             )
         except LeasePausedError as exc:
             self._standby(f"lease paused: {exc}")
@@ -333,7 +334,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 )
                 return
             self._standby(
-                f"standby: {owner.holder} leads at epoch {owner.epoch}{self._disagreement(owner)}"
+                f"standby: {owner.holder} leads at epoch {owner.epoch}"
+                f"{self._disagreement(owner, purpose)}"
                 if owner
                 else got.outcome
             )
@@ -422,12 +424,12 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             if due:
                 self.reserve(entry)
 
-    def _disagreement(self, owner: Owner) -> str:
+    def _disagreement(self, owner: Owner, purpose: str) -> str:
         """What the leader's lease says of its schedule and environment where this instance's
-        differ (an instance left on an older configuration, or one of another environment on
-        the same lease), to be said with the standby's reason; empty where they agree."""
+        (its ``purpose`` and environment) differ (an instance left on an older configuration, or
+        one of another environment on the same lease), to be said with the standby's reason;
+        empty where they agree."""
         environment = self.fence.settings.environment
-        purpose = self.purpose
         differences = []
         if owner.purpose != purpose:
             differences.append(f"purpose {owner.purpose!r}, this instance's {purpose!r}")
