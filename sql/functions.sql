@@ -1,6 +1,7 @@
 -- celery-fence protocol functions. Replaced on every install; any client may call them.
--- Times come from clock_timestamp(), read after the statement holds the row it decides on,
--- unless the caller passes p_now (tests drive an injected clock through it).
+-- Times come from clock_timestamp(), read after the call holds what it decides on (the row, or
+-- the lease's writers' key), unless the caller passes p_now (tests drive an injected clock
+-- through it).
 
 CREATE OR REPLACE FUNCTION celery_fence.state_of(p_row celery_fence.leases, p_now timestamptz)
 RETURNS text LANGUAGE sql STABLE AS $$
@@ -45,54 +46,6 @@ CREATE OR REPLACE FUNCTION celery_fence.answer_of(
     )::celery_fence.answer
 $$;
 
-CREATE OR REPLACE FUNCTION celery_fence.check_name(p_name text)
-RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF p_name IS NULL OR length(p_name) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'celery_fence: lease name must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION celery_fence.check_length(p_value text, p_what text, p_max integer)
-RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp AS $$
-BEGIN
-    IF p_value IS NULL OR length(p_value) NOT BETWEEN 1 AND p_max THEN
-        RAISE EXCEPTION 'celery_fence: % must be 1 to % characters', p_what, p_max
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION celery_fence.check_arguments(
-    p_name text, p_holder text, p_ttl interval, p_max_hold interval
-) RETURNS void LANGUAGE plpgsql IMMUTABLE
-SET search_path = pg_catalog, pg_temp AS $$
-DECLARE
-    -- Judged by the seconds they add to a time (span): compared as they are, intervals count a
-    -- year as 360 days, and '1 year -359 days' would pass for one day.
-    v_ttl interval := celery_fence.span(p_ttl);
-    v_max_hold interval := celery_fence.span(p_max_hold);
-BEGIN
-    PERFORM celery_fence.check_name(p_name);
-    IF p_holder IS NULL OR length(p_holder) NOT BETWEEN 1 AND 200 THEN
-        RAISE EXCEPTION 'celery_fence: holder must be 1 to 200 characters'
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF v_ttl IS NULL OR v_ttl <= interval '0' OR v_ttl > interval '1 day' THEN
-        RAISE EXCEPTION 'celery_fence: ttl must be positive and at most 1 day, got %', p_ttl
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-    IF v_max_hold IS NOT NULL AND (v_max_hold < v_ttl OR v_max_hold > interval '7 days') THEN
-        RAISE EXCEPTION 'celery_fence: max_hold must be between ttl and 7 days, got %', p_max_hold
-            USING ERRCODE = 'invalid_parameter_value';
-    END IF;
-END
-$$;
-
 -- The transaction-scoped advisory lock key on which acquirers racing for one lease wait
 -- together (see acquire): the name's 64-bit hash, seeded so as to stay out of the way of keys an
 -- application derives from the same names with the default seed.
@@ -118,6 +71,43 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.span(p_span interval)
 RETURNS interval LANGUAGE sql IMMUTABLE AS $$
     SELECT pg_catalog.make_interval(secs => extract(epoch FROM p_span))
+$$;
+
+-- Why a text argument is refused ('celery_fence: <what> must be 1 to <max> characters'), or
+-- NULL when it is not. The checks are expressions, not procedures, so that PostgreSQL inlines them
+-- into the PL/pgSQL caller's IF, which raises (SQLSTATE 22023): a call of a function of its own
+-- would cost a tenth of an acquisition. STABLE, as the interval output in argument_error is: a
+-- body more volatile than the function's declaration is not inlined.
+CREATE OR REPLACE FUNCTION celery_fence.length_error(p_value text, p_what text, p_max integer)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN p_value IS NULL OR pg_catalog.length(p_value) NOT BETWEEN 1 AND p_max
+        THEN pg_catalog.format('celery_fence: %s must be 1 to %s characters', p_what, p_max)
+    END
+$$;
+
+-- Why a lease name, holder, TTL or maximum hold is refused, or NULL when none is. TTL and
+-- maximum hold are judged by the seconds they add to a time (span): compared as they are,
+-- intervals count a year as 360 days, and '1 year -359 days' would pass for one day.
+CREATE OR REPLACE FUNCTION celery_fence.argument_error(
+    p_name text, p_holder text, p_ttl interval, p_max_hold interval
+) RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        celery_fence.length_error(p_name, 'lease name', 200),
+        celery_fence.length_error(p_holder, 'holder', 200),
+        CASE WHEN p_ttl IS NULL OR celery_fence.span(p_ttl) <= interval '0'
+                  OR celery_fence.span(p_ttl) > interval '1 day'
+            THEN pg_catalog.format(
+                'celery_fence: ttl must be positive and at most 1 day, got %s',
+                coalesce(p_ttl::text, 'NULL'))
+        END,
+        -- A null maximum hold first: PostgreSQL folds a constant null argument away then.
+        CASE WHEN p_max_hold IS NOT NULL
+                  AND (celery_fence.span(p_max_hold) < celery_fence.span(p_ttl)
+                       OR celery_fence.span(p_max_hold) > interval '7 days')
+            THEN pg_catalog.format(
+                'celery_fence: max_hold must be between ttl and 7 days, got %s', p_max_hold)
+        END
+    )
 $$;
 
 -- A span as a timeout setting takes it: whole milliseconds rounded up, at least 1 (0 would mean
@@ -183,6 +173,7 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_new celery_fence.leases;
     v_now timestamptz;
@@ -191,10 +182,12 @@ DECLARE
     v_ttl interval := celery_fence.span(p_ttl);
     v_hold interval := coalesce(celery_fence.span(p_max_hold), greatest(v_ttl, interval '24 hours'));
 BEGIN
-    PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, p_max_hold);
-    IF p_environment IS NULL OR length(p_environment) NOT BETWEEN 1 AND 64 THEN
-        RAISE EXCEPTION 'celery_fence: environment must be 1 to 64 characters'
-            USING ERRCODE = 'invalid_parameter_value';
+    v_error := coalesce(
+        celery_fence.argument_error(p_name, p_holder, p_ttl, p_max_hold),
+        celery_fence.length_error(p_environment, 'environment', 64)
+    );
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
     END IF;
     -- The SET clause above bounds lock waits to 2 s and restores the setting when the call ends.
     IF p_lock_timeout <> interval '2 seconds' THEN
@@ -224,22 +217,13 @@ BEGIN
                 CONTINUE;
             END IF;
             v_seen := v_row.epoch;
+            -- The lease looked free. Every transaction that locks its row holds the writers' key
+            -- (fenced writers shared, every change exclusively) until it ends, so once this call
+            -- holds the key no row lock is left to wait for: the UPDATE below reads the newest
+            -- row version, judges it by a clock read after the wait, and takes over only the
+            -- epoch looked at.
             PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
-            -- The lease looked free: lock the epoch looked at, and only that one (a fenced
-            -- writer's FOR SHARE lock makes this wait), then read the clock and decide on the
-            -- newest row version. An UPDATE alone would not do: it judges its WHERE and computes
-            -- its new values before it waits, and judges again only if the lock's holder changed
-            -- the row, which a fenced writer does not.
-            v_row := NULL;
-            SELECT * INTO v_row FROM celery_fence.leases l
-            WHERE l.name = p_name AND l.epoch = v_seen
-            FOR NO KEY UPDATE;
             v_now := coalesce(p_now, clock_timestamp());
-            IF v_row.name IS NULL OR v_row.paused
-               OR (v_row.released_at IS NULL AND v_row.expires_at > v_now) THEN
-                -- Another acquirer, a renewal or a pause got there first: look again.
-                CONTINUE;
-            END IF;
             UPDATE celery_fence.leases AS l SET
                 environment = p_environment,
                 holder = p_holder,
@@ -252,8 +236,13 @@ BEGIN
                 hold_until = v_now + v_hold,
                 released_at = NULL,
                 sharers = 1
-            WHERE l.name = p_name
+            WHERE l.name = p_name AND l.epoch = v_seen AND NOT l.paused
+              AND (l.released_at IS NOT NULL OR l.expires_at <= v_now)
             RETURNING l.* INTO v_new;
+            IF v_new.name IS NULL THEN
+                -- Another acquirer, a renewal or a pause got there first: look again.
+                CONTINUE;
+            END IF;
             IF v_row.released_at IS NULL THEN
                 -- The epoch taken over ended by expiry (a release records its own end).
                 INSERT INTO celery_fence.lease_history (
@@ -298,32 +287,31 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
 BEGIN
-    PERFORM celery_fence.check_arguments(p_name, 'renew', p_ttl, NULL);
+    v_error := celery_fence.argument_error(p_name, 'renew', p_ttl, NULL);
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
-    -- The holder's row is locked first and the clock read after (see acquire): a renewal that
-    -- waited behind a fenced writer past the expiry must not bring the lease back. Only the
-    -- holder's call waits for the writers (a stale one is answered at once).
+    -- The writers' key first and the clock read after (see acquire): a renewal that waited
+    -- behind a fenced writer past the expiry must not bring the lease back. Only the holder's
+    -- call waits for the writers (a stale one is answered at once).
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
-    SELECT * INTO v_row FROM celery_fence.leases l
-    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-    FOR NO KEY UPDATE;
     v_now := coalesce(p_now, clock_timestamp());
-    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL AND NOT v_row.paused
-       AND v_row.expires_at > v_now THEN
-        UPDATE celery_fence.leases AS l SET
-            renewed_at = v_now,
-            expires_at = greatest(
-                l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until)
-            )
-        WHERE l.name = p_name
-        RETURNING l.* INTO v_row;
+    UPDATE celery_fence.leases AS l SET
+        renewed_at = v_now,
+        expires_at = greatest(l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until))
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+      AND l.released_at IS NULL AND NOT l.paused AND l.expires_at > v_now
+    RETURNING l.* INTO v_row;
+    IF v_row.name IS NOT NULL THEN
         RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
@@ -349,11 +337,15 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
 BEGIN
-    PERFORM celery_fence.check_name(p_name);
+    v_error := celery_fence.length_error(p_name, 'lease name', 200);
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+    END IF;
     -- A release lost in a server crash only leaves the lease to expire at its TTL, so its commit
     -- need not wait for the disk.
     PERFORM set_config('synchronous_commit', 'off', true);
@@ -361,23 +353,21 @@ BEGIN
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
-    -- The holder's row is locked first and the clock read after (see acquire), behind the
-    -- writers already in (see renew). A lease shared with continuations (see rejoin) is released
-    -- by the last of its sharers.
+    -- The writers' key first and the clock read after (see acquire), behind the writers already
+    -- in (see renew). A lease shared with continuations (see rejoin) is released by the last of
+    -- its sharers.
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
-    SELECT * INTO v_row FROM celery_fence.leases l
-    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-    FOR NO KEY UPDATE;
     v_now := coalesce(p_now, clock_timestamp());
-    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
-        UPDATE celery_fence.leases AS l SET
-            sharers = greatest(l.sharers - 1, 0),
-            released_at = CASE WHEN l.sharers <= 1 THEN v_now END,
-            expires_at = CASE WHEN l.sharers <= 1 THEN least(l.expires_at, v_now)
-                              ELSE l.expires_at END
-        WHERE l.name = p_name
-        RETURNING l.* INTO v_row;
+    UPDATE celery_fence.leases AS l SET
+        sharers = greatest(l.sharers - 1, 0),
+        released_at = CASE WHEN l.sharers <= 1 THEN v_now END,
+        expires_at = CASE WHEN l.sharers <= 1 THEN least(l.expires_at, v_now)
+                          ELSE l.expires_at END
+    WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+      AND l.released_at IS NULL AND l.expires_at > v_now
+    RETURNING l.* INTO v_row;
+    IF v_row.name IS NOT NULL THEN
         IF v_row.released_at IS NULL THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
         END IF;
@@ -507,6 +497,7 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_reason text;
     v_now timestamptz;
@@ -514,7 +505,10 @@ DECLARE
     v_waited_from timestamptz;
     v_own boolean := false;
 BEGIN
-    PERFORM celery_fence.check_arguments(p_name, p_holder, p_ttl, NULL);
+    v_error := celery_fence.argument_error(p_name, p_holder, p_ttl, NULL);
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
         RAISE EXCEPTION 'celery_fence: mode must be join or resume, got %', p_mode
             USING ERRCODE = 'invalid_parameter_value';
@@ -606,12 +600,18 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_now timestamptz;
 BEGIN
-    PERFORM celery_fence.check_name(p_name);
-    PERFORM celery_fence.check_length(p_reason, 'pause reason', 500);
-    PERFORM celery_fence.check_length(p_by, 'who pauses (p_by)', 200);
+    v_error := coalesce(
+        celery_fence.length_error(p_name, 'lease name', 200),
+        celery_fence.length_error(p_reason, 'pause reason', 500),
+        celery_fence.length_error(p_by, 'who pauses (p_by)', 200)
+    );
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
@@ -620,9 +620,12 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM celery_fence.leases l WHERE l.name = p_name) THEN
         -- A lease paused before it was ever acquired: its stale runs are recorded under the
         -- environment given here, so there must be one.
-        PERFORM celery_fence.check_length(
+        v_error := celery_fence.length_error(
             p_environment, 'environment (to pause a lease that does not exist yet)', 64
         );
+        IF v_error IS NOT NULL THEN
+            RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+        END IF;
     END IF;
     INSERT INTO celery_fence.leases AS l (
         name, environment, holder, purpose, epoch, token, acquired_at, renewed_at,
@@ -648,10 +651,14 @@ SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_error text;
     v_row celery_fence.leases;
     v_now timestamptz;
 BEGIN
-    PERFORM celery_fence.check_name(p_name);
+    v_error := celery_fence.length_error(p_name, 'lease name', 200);
+    IF v_error IS NOT NULL THEN
+        RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
+    END IF;
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;

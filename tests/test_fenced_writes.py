@@ -829,13 +829,14 @@ def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
 
 
 @pytest.mark.parametrize("call", ["acquire", "renew", "release"])
-def test_a_call_behind_a_fenced_writer_reads_the_clock_once_it_holds_the_row(
+def test_a_call_behind_a_fenced_writer_reads_the_clock_once_its_wait_is_over(
     store: LeaseStore, protected: Engine, expire_lease: Expire, call: str
 ) -> None:
-    """An acquisition, renewal or release that waits for the lease row behind a fenced writer's
-    FOR SHARE lock decides, and stamps its times, by the clock read once it holds the row: an
-    UPDATE alone reads it before the wait and judges again only if the writer changed the row,
-    which a fenced writer does not. So what it stamps is never earlier than the writer's end."""
+    """An acquisition, renewal or release that waits behind a fenced writer (the writers' key
+    shared, then the row FOR SHARE, as celery_fence.fence takes them) decides, and stamps its
+    times, by the clock read once the wait is over: an UPDATE that read it before the wait would
+    judge again only if the writer changed the row, which a fenced writer does not. So what it
+    stamps is never earlier than the writer's end."""
     lease = acquire(store, "H")
     if call == "acquire":
         expire_lease(NAME)
@@ -847,7 +848,10 @@ def test_a_call_behind_a_fenced_writer_reads_the_clock_once_it_holds_the_row(
         "renew": lambda: caller.renew(lease),
         "release": lambda: caller.release(lease),
     }
-    lock = sa.text("SELECT 1 FROM celery_fence.leases WHERE name = :n FOR SHARE")
+    lock = sa.text(
+        "SELECT pg_advisory_xact_lock_shared(celery_fence.writers_key(:n)), l.name "
+        "FROM celery_fence.leases l WHERE l.name = :n FOR SHARE"
+    )
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as writer:
             transaction = writer.begin()

@@ -270,7 +270,7 @@ def test_what_another_role_puts_on_the_search_path_is_not_called(
         installed.run_as(
             RUNTIME,
             "SELECT celery_fence.acquire('psql:job', 'prod', 'dba', interval '30 seconds');"
-            "SELECT celery_fence.check_arguments('psql:job', 'dba', interval '1 s', NULL);",
+            "SELECT celery_fence.argument_error('psql:job', 'dba', interval '1 s', NULL);",
         )
         assert hijacked() == []
     finally:
