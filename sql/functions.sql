@@ -98,7 +98,7 @@ CREATE OR REPLACE FUNCTION celery_fence.argument_error(
                   OR celery_fence.span(p_ttl) > interval '1 day'
             THEN pg_catalog.format(
                 'celery_fence: ttl must be positive and at most 1 day, got %s',
-                coalesce(p_ttl::text, 'NULL'))
+                coalesce(p_ttl::text, '<NULL>'))
         END,
         -- A null maximum hold first: PostgreSQL folds a constant null argument away then.
         CASE WHEN p_max_hold IS NOT NULL
@@ -217,11 +217,12 @@ BEGIN
                 CONTINUE;
             END IF;
             v_seen := v_row.epoch;
-            -- The lease looked free. Every transaction that locks its row holds the writers' key
-            -- (fenced writers shared, every change exclusively) until it ends, so once this call
-            -- holds the key no row lock is left to wait for: the UPDATE below reads the newest
-            -- row version, judges it by a clock read after the wait, and takes over only the
-            -- epoch looked at.
+            -- The lease looked free. Every transaction of the protocol that locks its row holds
+            -- the writers' key (fenced writers shared, every change exclusively) until it ends, so
+            -- once this call holds the key no row lock is left to wait for: the UPDATE below reads
+            -- the newest row version, judges it by a clock read after the wait, and takes over
+            -- only the version looked at: one renewed since (and expired all the same) is looked
+            -- at again, so that the history row below records the expiry it reached.
             PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
             v_now := coalesce(p_now, clock_timestamp());
             UPDATE celery_fence.leases AS l SET
@@ -237,6 +238,8 @@ BEGIN
                 released_at = NULL,
                 sharers = 1
             WHERE l.name = p_name AND l.epoch = v_seen AND NOT l.paused
+              AND l.expires_at = v_row.expires_at
+              AND l.released_at IS NOT DISTINCT FROM v_row.released_at
               AND (l.released_at IS NOT NULL OR l.expires_at <= v_now)
             RETURNING l.* INTO v_new;
             IF v_new.name IS NULL THEN
@@ -299,19 +302,26 @@ BEGIN
     IF p_lock_timeout <> interval '2 seconds' THEN
         PERFORM celery_fence.bound_lock_wait(p_lock_timeout);
     END IF;
-    -- The writers' key first and the clock read after (see acquire): a renewal that waited
-    -- behind a fenced writer past the expiry must not bring the lease back. Only the holder's
-    -- call waits for the writers (a stale one is answered at once).
+    -- The writers' key, then the holder's row, and the clock read after: a renewal that waited
+    -- behind a fenced writer past the expiry must not bring the lease back, also when the writer
+    -- locked the row without the key (SQL of a client's own), so renewal, unlike acquire and
+    -- release, locks the row too. Only the holder's call waits for the writers (a stale one is
+    -- answered at once).
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
-    v_now := coalesce(p_now, clock_timestamp());
-    UPDATE celery_fence.leases AS l SET
-        renewed_at = v_now,
-        expires_at = greatest(l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until))
+    SELECT * INTO v_row FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-      AND l.released_at IS NULL AND NOT l.paused AND l.expires_at > v_now
-    RETURNING l.* INTO v_row;
-    IF v_row.name IS NOT NULL THEN
+    FOR NO KEY UPDATE;
+    v_now := coalesce(p_now, clock_timestamp());
+    IF v_row.name IS NOT NULL AND v_row.released_at IS NULL AND NOT v_row.paused
+       AND v_row.expires_at > v_now THEN
+        UPDATE celery_fence.leases AS l SET
+            renewed_at = v_now,
+            expires_at = greatest(
+                l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until)
+            )
+        WHERE l.name = p_name
+        RETURNING l.* INTO v_row;
         RETURN celery_fence.answer_of('renewed', NULL, v_row, true, v_row.renewed_at);
     END IF;
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;

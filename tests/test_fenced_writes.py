@@ -819,6 +819,49 @@ def fenced_writer(
             holder.done.result(timeout=WAIT)
 
 
+def test_an_acquisition_behind_a_renewal_records_the_expiry_the_renewal_gave(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """A renewal that commits between an acquisition's look at the lease and its take-over (the
+    lease expired all the same, by the acquirer's clock): the acquisition takes over the renewed
+    version, and the history row of the epoch it ends says where the renewal put its expiry, not
+    where the look saw it."""
+    lease = acquire(store, "H", ttl=10)
+    renew = sa.text(
+        "SELECT outcome, expires_at FROM celery_fence.renew("
+        "    :name, :epoch, :token, interval '5 seconds', 'H', true, :now)"
+    )
+    successor = LeaseStore(store.engine, clock=lambda: lease.expires_at + timedelta(seconds=10))
+    with successor.protocol_connection() as connection:
+        successor_pid = connection.info.backend_pid
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as holder:
+            transaction = holder.begin()
+            renewed = holder.execute(
+                renew,
+                {
+                    "name": NAME,
+                    "epoch": lease.epoch,
+                    "token": lease.token,
+                    "now": lease.expires_at - timedelta(seconds=1),
+                },
+            ).one()
+            assert renewed.outcome == "renewed"
+            assert renewed.expires_at == lease.expires_at + timedelta(seconds=4)
+            done = pool.submit(
+                successor.acquire, NAME, holder="S", ttl=300, environment=ENVIRONMENT
+            )
+            assert wait_until_blocked(protected, successor_pid) == [backend_pid(holder)]
+            transaction.commit()
+            got = done.result(timeout=WAIT)
+    finally:
+        successor.dispose()
+    assert got.lease is not None
+    assert got.lease.epoch == lease.epoch + 1
+    (ended,) = [entry for entry in store.history(NAME) if entry.epoch == lease.epoch]
+    assert (ended.end_reason, ended.ended_at) == ("expired", renewed.expires_at)
+
+
 def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
     """A store whose clock reads past the lease's expiry: for it, the lease is free to take."""
     return LeaseStore(
@@ -828,15 +871,34 @@ def late_store(engine: Engine, lock_timeout: float) -> LeaseStore:
     )
 
 
-@pytest.mark.parametrize("call", ["acquire", "renew", "release"])
+# How a writer holds the lease row: as celery_fence.fence does (the writers' key shared, then the
+# row), or with the row lock alone, as SQL of a client's own may.
+FENCED_LOCK = (
+    "SELECT pg_advisory_xact_lock_shared(celery_fence.writers_key(:n)), l.name "
+    "FROM celery_fence.leases l WHERE l.name = :n FOR SHARE"
+)
+ROW_LOCK = "SELECT 1 FROM celery_fence.leases WHERE name = :n FOR SHARE"
+
+
+@pytest.mark.parametrize(
+    ("call", "lock"),
+    [
+        ("acquire", FENCED_LOCK),
+        ("renew", FENCED_LOCK),
+        ("release", FENCED_LOCK),
+        ("renew", ROW_LOCK),
+    ],
+    ids=["acquire", "renew", "release", "renew-behind-a-row-lock-alone"],
+)
 def test_a_call_behind_a_fenced_writer_reads_the_clock_once_its_wait_is_over(
-    store: LeaseStore, protected: Engine, expire_lease: Expire, call: str
+    store: LeaseStore, protected: Engine, expire_lease: Expire, call: str, lock: str
 ) -> None:
     """An acquisition, renewal or release that waits behind a fenced writer (the writers' key
     shared, then the row FOR SHARE, as celery_fence.fence takes them) decides, and stamps its
     times, by the clock read once the wait is over: an UPDATE that read it before the wait would
     judge again only if the writer changed the row, which a fenced writer does not. So what it
-    stamps is never earlier than the writer's end."""
+    stamps is never earlier than the writer's end. A renewal locks the row itself, so that it
+    never extends a lease past a wait behind a row lock taken without the key either."""
     lease = acquire(store, "H")
     if call == "acquire":
         expire_lease(NAME)
@@ -848,14 +910,10 @@ def test_a_call_behind_a_fenced_writer_reads_the_clock_once_its_wait_is_over(
         "renew": lambda: caller.renew(lease),
         "release": lambda: caller.release(lease),
     }
-    lock = sa.text(
-        "SELECT pg_advisory_xact_lock_shared(celery_fence.writers_key(:n)), l.name "
-        "FROM celery_fence.leases l WHERE l.name = :n FOR SHARE"
-    )
     try:
         with ThreadPoolExecutor(max_workers=1) as pool, protected.connect() as writer:
             transaction = writer.begin()
-            writer.execute(lock, {"n": NAME})
+            writer.execute(sa.text(lock), {"n": NAME})
             done = pool.submit(calls[call])
             assert wait_until_blocked(protected, caller_pid) == [backend_pid(writer)]
             writer_ended = writer.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
