@@ -1,7 +1,7 @@
 -- celery-fence protocol functions. Replaced on every install; any client may call them.
 -- Times come from clock_timestamp(), read after the call holds what it decides on (the row, or
--- the lease's writers' key), unless the caller passes p_now (tests drive an injected clock
--- through it).
+-- the lease's writers' key, which comes with every lock the protocol takes on the row), unless
+-- the caller passes p_now (tests drive an injected clock through it).
 
 CREATE OR REPLACE FUNCTION celery_fence.state_of(p_row celery_fence.leases, p_now timestamptz)
 RETURNS text LANGUAGE sql STABLE AS $$
@@ -74,15 +74,21 @@ RETURNS interval LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- Why a text argument is refused ('celery_fence: <what> must be 1 to <max> characters'), or
--- NULL when it is not. The checks are expressions, not procedures, so that PostgreSQL inlines them
--- into the PL/pgSQL caller's IF, which raises (SQLSTATE 22023): a call of a function of its own
--- would cost a tenth of an acquisition. STABLE, as the interval output in argument_error is: a
--- body more volatile than the function's declaration is not inlined.
+-- NULL when it is not. The checks are expressions, not procedures, so that PostgreSQL inlines
+-- them into the PL/pgSQL caller's assignment, after which the caller raises the message (SQLSTATE
+-- 22023): a call of a function of its own would cost a tenth of an acquisition. STABLE, as
+-- format() is: a body more volatile than the function's declaration is not inlined.
 CREATE OR REPLACE FUNCTION celery_fence.length_error(p_value text, p_what text, p_max integer)
 RETURNS text LANGUAGE sql STABLE AS $$
     SELECT CASE WHEN p_value IS NULL OR pg_catalog.length(p_value) NOT BETWEEN 1 AND p_max
         THEN pg_catalog.format('celery_fence: %s must be 1 to %s characters', p_what, p_max)
     END
+$$;
+
+-- Why a lease name is refused (it must be 1 to 200 characters), or NULL.
+CREATE OR REPLACE FUNCTION celery_fence.name_error(p_name text)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT celery_fence.length_error(p_name, 'lease name', 200)
 $$;
 
 -- Why a lease name, holder, TTL or maximum hold is refused, or NULL when none is. TTL and
@@ -92,7 +98,7 @@ CREATE OR REPLACE FUNCTION celery_fence.argument_error(
     p_name text, p_holder text, p_ttl interval, p_max_hold interval
 ) RETURNS text LANGUAGE sql STABLE AS $$
     SELECT coalesce(
-        celery_fence.length_error(p_name, 'lease name', 200),
+        celery_fence.name_error(p_name),
         celery_fence.length_error(p_holder, 'holder', 200),
         CASE WHEN p_ttl IS NULL OR celery_fence.span(p_ttl) <= interval '0'
                   OR celery_fence.span(p_ttl) > interval '1 day'
@@ -100,7 +106,8 @@ CREATE OR REPLACE FUNCTION celery_fence.argument_error(
                 'celery_fence: ttl must be positive and at most 1 day, got %s',
                 coalesce(p_ttl::text, '<NULL>'))
         END,
-        -- A null maximum hold first: PostgreSQL folds a constant null argument away then.
+        -- Whether there is a maximum hold is asked first, so that a call passing NULL for it
+        -- (renew, rejoin) has the rest folded away when PostgreSQL plans it, not computed.
         CASE WHEN p_max_hold IS NOT NULL
                   AND (celery_fence.span(p_max_hold) < celery_fence.span(p_ttl)
                        OR celery_fence.span(p_max_hold) > interval '7 days')
@@ -178,7 +185,6 @@ DECLARE
     v_new celery_fence.leases;
     v_now timestamptz;
     v_waited_from timestamptz;
-    v_seen bigint;
     v_ttl interval := celery_fence.span(p_ttl);
     v_hold interval := coalesce(celery_fence.span(p_max_hold), greatest(v_ttl, interval '24 hours'));
 BEGIN
@@ -216,13 +222,14 @@ BEGIN
                 PERFORM celery_fence.bound_lock_wait(p_lock_timeout, v_waited_from);
                 CONTINUE;
             END IF;
-            v_seen := v_row.epoch;
             -- The lease looked free. Every transaction of the protocol that locks its row holds
-            -- the writers' key (fenced writers shared, every change exclusively) until it ends, so
-            -- once this call holds the key no row lock is left to wait for: the UPDATE below reads
-            -- the newest row version, judges it by a clock read after the wait, and takes over
-            -- only the version looked at: one renewed since (and expired all the same) is looked
-            -- at again, so that the history row below records the expiry it reached.
+            -- the writers' key (fenced writers shared, every change exclusively) until it ends.
+            -- Once this call holds the key, the UPDATE below finds no such lock left to wait for
+            -- (only SQL of a client's own that locked the row without the key would make it
+            -- wait). It reads the newest row version and judges it by a clock read after the
+            -- wait. It takes over only the version looked at: one renewed since, and expired all
+            -- the same, is looked at again, so that the history row below records the expiry it
+            -- reached.
             PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
             v_now := coalesce(p_now, clock_timestamp());
             UPDATE celery_fence.leases AS l SET
@@ -237,7 +244,7 @@ BEGIN
                 hold_until = v_now + v_hold,
                 released_at = NULL,
                 sharers = 1
-            WHERE l.name = p_name AND l.epoch = v_seen AND NOT l.paused
+            WHERE l.name = p_name AND l.epoch = v_row.epoch AND NOT l.paused
               AND l.expires_at = v_row.expires_at
               AND l.released_at IS NOT DISTINCT FROM v_row.released_at
               AND (l.released_at IS NOT NULL OR l.expires_at <= v_now)
@@ -284,8 +291,8 @@ CREATE OR REPLACE FUNCTION celery_fence.renew(
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
     p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
--- As in acquire: the wait for the holder's row behind fenced writers is bounded
--- (lock_not_available), so that one renewal cannot hold up the renewals queued after it.
+-- As in acquire: the wait behind fenced writers is bounded (lock_not_available), so that one
+-- renewal cannot hold up the renewals queued after it.
 SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -340,9 +347,9 @@ CREATE OR REPLACE FUNCTION celery_fence.release(
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
     p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
--- As in renew: the wait for the holder's row behind fenced writers is bounded
--- (lock_not_available), so that a transaction left open cannot hold up the end of a run; a
--- release that gave up changed nothing, and the lease runs out at its expiry.
+-- As in renew: the wait behind fenced writers is bounded (lock_not_available), so that a
+-- transaction left open cannot hold up the end of a run; a release that gave up changed
+-- nothing, and the lease runs out at its expiry.
 SET lock_timeout = '2s'
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -352,7 +359,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
-    v_error := celery_fence.length_error(p_name, 'lease name', 200);
+    v_error := celery_fence.name_error(p_name);
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -615,7 +622,7 @@ DECLARE
     v_now timestamptz;
 BEGIN
     v_error := coalesce(
-        celery_fence.length_error(p_name, 'lease name', 200),
+        celery_fence.name_error(p_name),
         celery_fence.length_error(p_reason, 'pause reason', 500),
         celery_fence.length_error(p_by, 'who pauses (p_by)', 200)
     );
@@ -665,7 +672,7 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
 BEGIN
-    v_error := celery_fence.length_error(p_name, 'lease name', 200);
+    v_error := celery_fence.name_error(p_name);
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
     END IF;
