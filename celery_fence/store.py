@@ -854,9 +854,8 @@ class LeaseStore:
         call did (``lock_timeout``): ``None`` when the table itself stays locked that long (by a
         ``VACUUM FULL`` or a migration, say; fenced writers lock rows, which a read does not
         wait for)."""
-        params = {"name": name, "now": self._now()}
         try:
-            return _owner_of(self._rows("owner", params, lock_timeout=lock_timeout))
+            return self._read_owner(name, lock_timeout)
         except FenceDatabaseError as exc:
             if not _kept_waiting(exc):
                 raise
@@ -1411,8 +1410,12 @@ class LeaseStore:
 
     def owner(self, name: str) -> Owner | None:
         """The lease's current safe metadata, or ``None`` if it was never taken or paused."""
+        return self._read_owner(validation.check_name(name), self.lock_timeout)
+
+    def _read_owner(self, name: str, lock_timeout: float) -> Owner | None:
+        """:meth:`owner`, its wait for the lease table bounded by ``lock_timeout``."""
         return _owner_of(
-            self._read("owner", {"name": validation.check_name(name), "now": self._now()})
+            self._rows("owner", {"name": name, "now": self._now()}, lock_timeout=lock_timeout)
         )
 
     def leases(self, environment: str | None = None) -> list[Owner]:
