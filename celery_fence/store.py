@@ -10,7 +10,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime
 from typing import Any, Literal, get_args
@@ -67,11 +67,6 @@ _OWNER_FIELDS = (
     "expires_at", "hold_until", "released_at", "paused", "paused_reason", "paused_by", "paused_at",
 )  # fmt: skip
 
-
-#: The longest schedule entry name: ``claim_slot``'s action, ``dispatch <entry> for <slot>``, names
-#: it whole within the longest action, with the longest time a slot has (microseconds and an
-#: offset, 32 characters).
-_MAX_ENTRY_LENGTH = validation.MAX_TEXT_LENGTH - len("dispatch  for ") - 32
 
 #: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session`` (or a
 #: ``scoped_session``), on psycopg 3.
@@ -1329,7 +1324,7 @@ class LeaseStore:
         """
         params = {
             "schedule": lease.name,
-            "entry": validation.check_text(entry, "entry", max_length=_MAX_ENTRY_LENGTH),
+            "entry": validation.check_entry(entry),
             "slot": slot,
             "task": validation.check_text(task, "task", max_length=validation.MAX_TEXT_LENGTH),
             "epoch": lease.epoch,
@@ -1355,9 +1350,20 @@ class LeaseStore:
         if entry is None:
             rows = self._read("dispatches", params)
         else:
-            params["entry"] = validation.check_text(entry, "entry", max_length=_MAX_ENTRY_LENGTH)
+            params["entry"] = validation.check_entry(entry)
             rows = self._read("entry_dispatches", params)
         return [Dispatch(**row) for row in rows]
+
+    def latest_dispatches(self, schedule: str, entries: Iterable[str]) -> dict[str, Dispatch]:
+        """The latest slot claimed for each of ``entries`` (each checked as for
+        :meth:`claim_slot`) of ``schedule``, read at once: by entry, for the entries with one."""
+        params = {
+            "schedule": validation.check_name(schedule),
+            "entries": list(dict.fromkeys(validation.check_entry(entry) for entry in entries)),
+        }
+        if not params["entries"]:
+            return {}
+        return {row["entry"]: Dispatch(**row) for row in self._read("latest_dispatches", params)}
 
     # -- the kill switch --------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ from celery_fence.exceptions import ConfigurationError
 MAX_NAME_LENGTH = 200
 MAX_ENVIRONMENT_LENGTH = 64
 MAX_TEXT_LENGTH = 500
+#: The longest schedule entry name: ``claim_slot``'s action, ``dispatch <entry> for <slot>``, names
+#: it whole within the longest action, with the longest time a slot has (microseconds and an
+#: offset, 32 characters).
+MAX_ENTRY_LENGTH = MAX_TEXT_LENGTH - len("dispatch  for ") - 32
 MAX_TTL_SECONDS = 86_400.0
 MAX_HOLD_SECONDS = 7 * 86_400.0
 #: The longest a protocol call may wait behind fenced writers (a store's ``lock_timeout``).
@@ -48,6 +52,11 @@ def check_name(value: object, what: str = "lease name") -> str:
 
 def check_holder(value: object, what: str = "holder") -> str:
     return check_text(value, what, max_length=MAX_NAME_LENGTH)
+
+
+def check_entry(value: object) -> str:
+    """Return ``value`` if it can name a schedule entry (see :data:`MAX_ENTRY_LENGTH`)."""
+    return check_text(value, "entry", max_length=MAX_ENTRY_LENGTH)
 
 
 def check_environment(value: object, what: str = "environment") -> str:

@@ -138,3 +138,12 @@ SELECT * FROM celery_fence.dispatches d
 WHERE d.schedule = :schedule AND d.entry = :entry
 ORDER BY d.slot DESC
 LIMIT :limit
+
+-- name: latest_dispatches
+SELECT d.* FROM pg_catalog.unnest(CAST(:entries AS text[])) AS e (entry)
+CROSS JOIN LATERAL (
+    SELECT * FROM celery_fence.dispatches c
+    WHERE c.schedule = :schedule AND c.entry = e.entry
+    ORDER BY c.slot DESC
+    LIMIT 1
+) d

@@ -132,6 +132,7 @@ def exercise(store: LeaseStore, name: str) -> None:
     slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
     assert store.claim_slot(lease, entry="plan", slot=slot, task="tasks.plan")
     assert [d.entry for d in store.dispatches(name)] == ["plan"]
+    assert [d.slot for d in store.latest_dispatches(name, ["plan"]).values()] == [slot]
     store.release(lease)
     with pytest.raises(LeaseLostError):
         store.renew(lease)  # recorded by the protocol function itself

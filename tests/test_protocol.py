@@ -1344,3 +1344,28 @@ def test_a_lease_error_is_rebuilt_whole_from_its_args_and_from_a_pickle(
             None,
             owner,
         )
+
+
+def test_the_latest_dispatches_are_each_entrys_newest_slot_of_its_own_schedule(
+    store: LeaseStore,
+) -> None:
+    """One read answers, for each entry asked about, its newest claimed slot of that schedule:
+    not an older one, not another entry's or another schedule's; an entry never claimed is left
+    out, and so is one asked about twice but answered once."""
+    plans = held(store.acquire("scheduler:plans", holder="beat-a", ttl=30))
+    other = held(store.acquire("scheduler:other", holder="beat-b", ttl=30))
+    at = datetime(2030, 1, 1, 10, tzinfo=timezone.utc)
+    for lease, entry, minutes in [
+        (plans, "nightly", 0),
+        (plans, "nightly", 2),
+        (plans, "hourly", 1),
+        (other, "hourly", 5),
+        (plans, "unasked", 9),
+    ]:
+        assert store.claim_slot(lease, entry=entry, slot=at + timedelta(minutes=minutes), task="t")
+    latest = store.latest_dispatches("scheduler:plans", ["nightly", "hourly", "never", "nightly"])
+    assert {entry: (d.slot, d.holder) for entry, d in latest.items()} == {
+        "nightly": (at + timedelta(minutes=2), "beat-a"),
+        "hourly": (at + timedelta(minutes=1), "beat-a"),
+    }
+    assert store.latest_dispatches("scheduler:plans", []) == {}

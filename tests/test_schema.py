@@ -510,6 +510,10 @@ LISTINGS = {
         "entry_dispatches",
         {"schedule": "scheduler:1", "entry": "entry3", "limit": 1},
     ),
+    "each entry's latest dispatch": (
+        "latest_dispatches",
+        {"schedule": "scheduler:1", "entries": ["entry3", "entry5", "entry7"]},
+    ),
 }
 
 

@@ -265,6 +265,11 @@ def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     [latest] = store.dispatches("scheduler:plans", entry="e" * 454, limit=1)
     assert latest.slot == slot.replace(microsecond=500_000)
     assert store.dispatches("scheduler:plans", entry="e" * 453) == []
+    statements.clear()
+    with pytest.raises(ConfigurationError, match=r"^entry must be at most 454 characters"):
+        store.latest_dispatches("scheduler:plans", ["e" * 453, "e" * 455])
+    assert statements == []
+    assert store.latest_dispatches("scheduler:plans", ["e" * 454, "e" * 453]) == {"e" * 454: latest}
 
 
 BAD_STORES: dict[str, dict[str, Any]] = {

@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine, make_url
 
-from celery_fence import LeaseStore, SchemaNotInstalledError
+from celery_fence import LeaseStore, SchemaNotInstalledError, validation
 from celery_fence.contrib.celery import HEADER, Fence
 from celery_fence.contrib.celery.beat import FencedScheduler, slot_of
 
@@ -510,6 +510,51 @@ def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
     )
     caught_up = [] if deadline else [("10:02", True)]
     assert sent == [("10:00", False), *caught_up, ("10:04", True)]
+    assert len(queued(clocked_app)) == len(sent)
+
+
+def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """Two crontab entries, and one whose name is too long for a slot to be claimed for it: the
+    leader sends 10:00, 10:02 and 10:04 of the first and 10:01 of the second, and stops at
+    10:05:59. Taking over at 10:07:10, the standby sends each entry's 10:06 occurrence, counted
+    from that entry's own latest slot; the entry no slot can be claimed for reads none."""
+    unclaimable = "e" * (validation.MAX_ENTRY_LENGTH + 1)
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")},
+        "report": {"task": "example.report", "schedule": crontab("1,6")},
+        unclaimable: {"task": "example.report", "schedule": crontab("0", "0", month_of_year="1")},
+    }
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 5, 59, tzinfo=timezone.utc):
+                leader.tick()
+                standby.tick()
+                frozen.tick(1)
+            assert leader.lease is not None
+            lead_until(standby, frozen, "10:06:05")  # the leader's lease still holds
+            assert standby.lease is None
+            frozen.move_to("2030-01-01T10:07:10+00:00")
+            lead_until(standby, frozen, "10:07:20")
+            assert standby.lease is not None
+        finally:
+            leader.close()
+            standby.close()
+    sent = sorted(
+        (d.entry, d.slot.strftime("%H:%M"), d.holder == standby.holder)
+        for d in fake_store.dispatches(leader.lease_name)
+    )
+    assert sent == [
+        (ENTRY, "10:00", False),
+        (ENTRY, "10:02", False),
+        (ENTRY, "10:04", False),
+        (ENTRY, "10:06", True),
+        ("report", "10:01", False),
+        ("report", "10:06", True),
+    ]
     assert len(queued(clocked_app)) == len(sent)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from celery import schedules
 from celery.beat import ScheduleEntry, Scheduler
 
+from celery_fence import validation
 from celery_fence.exceptions import (
     ConfigurationError,
     FenceDatabaseError,
@@ -219,24 +220,30 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         ``beat_cron_starting_deadline`` when set. An entry never sent, or whose latest slot is
         not an occurrence of its crontab now (the crontab changed since), keeps its own
         count: it comes due at its next occurrence."""
-        for entry in self.schedule.values():
-            if not isinstance(entry.schedule, schedules.crontab):
-                continue
-            try:
-                claimed = self.fence.store.dispatches(self.lease_name, entry=entry.name, limit=1)
-            except ConfigurationError:
-                continue  # a name no slot can be claimed for: its dispatch says so
-            except FenceDatabaseError as exc:
-                log.warning(
-                    "beat could not read the slots claimed before it led %s; crontab entries "
-                    "count from their next occurrence: %s",
-                    self.lease_name,
-                    exc,
-                    extra={"lease": self.lease_name},
-                )
-                return
-            if claimed and _is_occurrence(entry.schedule, claimed[0].slot):
-                entry.last_run_at = claimed[0].slot.astimezone(entry.schedule.tz)
+        crontabs = [
+            entry
+            for entry in self.schedule.values()
+            # An entry no slot can be claimed for is left out: its dispatch says so.
+            if isinstance(entry.schedule, schedules.crontab)
+            and validation.readable(validation.check_entry, entry.name) is not None
+        ]
+        try:
+            latest = self.fence.store.latest_dispatches(
+                self.lease_name, (entry.name for entry in crontabs)
+            )
+        except FenceDatabaseError as exc:
+            log.warning(
+                "beat could not read the slots claimed before it led %s; crontab entries "
+                "count from their next occurrence: %s",
+                self.lease_name,
+                exc,
+                extra={"lease": self.lease_name},
+            )
+            return
+        for entry in crontabs:
+            claimed = latest.get(entry.name)
+            if claimed is not None and _is_occurrence(entry.schedule, claimed.slot):
+                entry.last_run_at = claimed.slot.astimezone(entry.schedule.tz)
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
