@@ -693,13 +693,20 @@ def test_a_takeover_catches_a_crontab_up_across_a_daylight_saving_change(
 def test_the_schedule_digest_is_the_same_in_every_process_and_tells_schedules_apart() -> None:
     """Sets in an entry's arguments (of strings, of sets) are hashed by seed in each process,
     and a mapping may mix the types of its keys; the digest is the same in every process.
-    Intervals a few minutes apart, and crontabs of two time zones, differ."""
+    Objects of a class of the app's own, whose ``repr`` shows where each one is in memory, in the
+    arguments and as a schedule, do not change it either. Intervals a few minutes apart, and
+    crontabs of two time zones, differ."""
     script = """
 from datetime import timedelta
 from celery import Celery
 from celery.beat import ScheduleEntry
-from celery.schedules import crontab, schedule
+from celery.schedules import BaseSchedule, crontab, schedule
 from celery_fence.contrib.celery.beat import schedule_digest
+class Report:
+    pass
+class Fortnightly(BaseSchedule):
+    pass
+padding = [Report() for _ in range(__import__("random").randrange(100))]
 def digest(every, zone="UTC"):
     app = Celery("digest", set_as_current=False)
     app.conf.timezone = zone
@@ -709,6 +716,8 @@ def digest(every, zone="UTC"):
                               "groups": {frozenset({"b", "x", "q"}), frozenset({"a", "y", "r"})},
                               "by": {1: "one", "two": 2, None: (3, 4)}}, app=app),
         ScheduleEntry(name="b", task="t.b", schedule=crontab(minute=0, hour=3, app=app), app=app),
+        ScheduleEntry(name="c", task="t.c", schedule=Fortnightly(app=app), args=(Report(),),
+                      app=app),
     ]
     return schedule_digest(entries)
 day = timedelta(days=1)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import socket
 import time
 import uuid
@@ -126,13 +127,22 @@ def _schedule_fields(schedule: object) -> object:
         return ["crontab", *matched, str(schedule.tz)]
     if isinstance(schedule, schedules.schedule):
         return ["every", schedule.run_every.total_seconds(), schedule.relative]
-    return repr(schedule)
+    return _repr(schedule)
+
+
+#: Where an object's default ``repr`` puts its address, which differs from process to process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _repr(value: object) -> str:
+    """``value``'s ``repr`` without the address a default one shows."""
+    return _ADDRESS.sub("", repr(value))
 
 
 def _canonical(value: object) -> object:
     """``value`` as JSON can hold it, the same whatever the process's hash seed: a mapping as
     its key and value pairs and a set as its items, each in the order of their JSON; a tuple as
-    a list; anything else JSON has no form for as its ``repr``."""
+    a list; anything else JSON has no form for as its ``repr`` (:func:`_repr`)."""
     if isinstance(value, Mapping):
         pairs = [[_canonical(key), _canonical(item)] for key, item in value.items()]
         return {"mapping": sorted(pairs, key=json.dumps)}
@@ -142,7 +152,7 @@ def _canonical(value: object) -> object:
         return [_canonical(item) for item in value]
     if value is None or isinstance(value, (str, int, float)):
         return value
-    return repr(value)
+    return _repr(value)
 
 
 class FencedScheduler(Scheduler):  # type: ignore[misc]
