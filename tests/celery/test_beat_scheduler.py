@@ -477,9 +477,41 @@ def lead_until(instance: FencedScheduler, frozen: FrozenDateTimeFactory, until: 
         frozen.tick(1)
 
 
+def fail_over(
+    app: Celery, *, leader_stops: str, lease_holds: str, takes_over: str, leads_until: str
+) -> list[tuple[str, str, bool]]:
+    """A leader and a standby start at 09:59:50 and tick every second until the leader stops at
+    ``leader_stops``; the standby ticks on until ``lease_holds``, while the leader's lease still
+    holds, then the clock jumps to ``takes_over`` and the standby leads until ``leads_until``
+    (each HH:MM:SS on 2030-01-01, UTC). What went out, sorted: each dispatch's entry, slot
+    (HH:MM) and whether the standby sent it."""
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=app, lazy=False)
+        standby = FencedScheduler(app=app, lazy=False)
+        try:
+            stop = datetime.fromisoformat(f"2030-01-01T{leader_stops}+00:00")
+            while datetime.now(timezone.utc) < stop:
+                leader.tick()
+                standby.tick()
+                frozen.tick(1)
+            assert leader.lease is not None
+            lead_until(standby, frozen, lease_holds)
+            assert standby.lease is None
+            frozen.move_to(f"2030-01-01T{takes_over}+00:00")
+            lead_until(standby, frozen, leads_until)
+            assert standby.lease is not None
+        finally:
+            leader.close()
+            standby.close()
+    return sorted(
+        (d.entry, d.slot.strftime("%H:%M"), d.holder == standby.holder)
+        for d in Fence.of(app).store.dispatches(leader.lease_name)
+    )
+
+
 @pytest.mark.parametrize("deadline", [None, 30])
 def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
-    clocked_app: Celery, fake_store: LeaseStore, deadline: int | None
+    clocked_app: Celery, deadline: int | None
 ) -> None:
     """The leader sends 10:00 of a crontab every two minutes and stops at 10:01:59; the standby
     passes 10:02 while the lease still holds, and takes over at 10:03:10. Counting from the
@@ -487,35 +519,20 @@ def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
     occurrence at once, under that slot; Celery's ``beat_cron_starting_deadline`` (30 s) makes
     it too late."""
     clocked_app.conf.beat_cron_starting_deadline = deadline
-    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
-        leader = FencedScheduler(app=clocked_app, lazy=False)
-        standby = FencedScheduler(app=clocked_app, lazy=False)
-        try:
-            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 1, 59, tzinfo=timezone.utc):
-                leader.tick()
-                standby.tick()
-                frozen.tick(1)
-            assert leader.lease is not None
-            lead_until(standby, frozen, "10:02:05")  # the leader's lease still holds
-            assert standby.lease is None
-            frozen.move_to("2030-01-01T10:03:10+00:00")
-            lead_until(standby, frozen, "10:04:10")
-            assert standby.lease is not None
-        finally:
-            leader.close()
-            standby.close()
-    sent = sorted(
-        (d.slot.strftime("%H:%M"), d.holder == standby.holder)
-        for d in fake_store.dispatches(leader.lease_name)
+    dispatched = fail_over(
+        clocked_app,
+        leader_stops="10:01:59",
+        lease_holds="10:02:05",
+        takes_over="10:03:10",
+        leads_until="10:04:10",
     )
+    sent = [(slot, by_standby) for _, slot, by_standby in dispatched]
     caught_up = [] if deadline else [("10:02", True)]
     assert sent == [("10:00", False), *caught_up, ("10:04", True)]
     assert len(queued(clocked_app)) == len(sent)
 
 
-def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(
-    clocked_app: Celery, fake_store: LeaseStore
-) -> None:
+def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(clocked_app: Celery) -> None:
     """Two crontab entries, and one whose name is too long for a slot to be claimed for it: the
     leader sends 10:00, 10:02 and 10:04 of the first and 10:01 of the second, and stops at
     10:05:59. Taking over at 10:07:10, the standby sends each entry's 10:06 occurrence, counted
@@ -526,26 +543,12 @@ def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(
         "report": {"task": "example.report", "schedule": crontab("1,6")},
         unclaimable: {"task": "example.report", "schedule": crontab("0", "0", month_of_year="1")},
     }
-    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
-        leader = FencedScheduler(app=clocked_app, lazy=False)
-        standby = FencedScheduler(app=clocked_app, lazy=False)
-        try:
-            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 5, 59, tzinfo=timezone.utc):
-                leader.tick()
-                standby.tick()
-                frozen.tick(1)
-            assert leader.lease is not None
-            lead_until(standby, frozen, "10:06:05")  # the leader's lease still holds
-            assert standby.lease is None
-            frozen.move_to("2030-01-01T10:07:10+00:00")
-            lead_until(standby, frozen, "10:07:20")
-            assert standby.lease is not None
-        finally:
-            leader.close()
-            standby.close()
-    sent = sorted(
-        (d.entry, d.slot.strftime("%H:%M"), d.holder == standby.holder)
-        for d in fake_store.dispatches(leader.lease_name)
+    sent = fail_over(
+        clocked_app,
+        leader_stops="10:05:59",
+        lease_holds="10:06:05",
+        takes_over="10:07:10",
+        leads_until="10:07:20",
     )
     assert sent == [
         (ENTRY, "10:00", False),
