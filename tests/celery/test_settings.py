@@ -250,7 +250,15 @@ def job():
 """
 
 
-@pytest.mark.parametrize("command", [["worker", "-P", "solo"], ["beat", "-S", "fence"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["worker", "-P", "solo"],
+        ["beat", "-S", "fence"],
+        ["-q", "worker", "-P", "solo"],
+        ["-q", "beat", "-S", "fence"],
+    ],
+)
 @pytest.mark.parametrize(
     ("ttl", "schema", "said"),
     [
@@ -268,7 +276,8 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
     said: str,
 ) -> None:
     """`celery worker` and `celery beat` that celery-fence keeps from starting say why in one
-    line and exit 1, as for a mistyped option, without a traceback."""
+    line and exit 1, as for a mistyped option, without a traceback, also quiet (`celery -q`,
+    under which beat makes its scheduler only as its service starts)."""
     if schema:
         store = LeaseStore.from_url(empty_database_url)
         store.install()
@@ -284,9 +293,31 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
     )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    name = command[0]
+    [name] = [word for word in command if word in ("worker", "beat")]
     [line] = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
     assert line.startswith(f"Error: {name} not started: {said}")
+
+
+def test_a_worker_started_from_python_refuses_to_start_in_one_line(
+    tmp_path: Path, empty_database_url: str
+) -> None:
+    """``app.worker_main()``, Celery's command called from a script, refuses as the command does:
+    one line, exit status 1, no traceback."""
+    (tmp_path / "refused.py").write_text(APP_MODULE.format(url=empty_database_url, ttl=0))
+    script = "import refused; refused.app.worker_main(['worker', '-P', 'solo'])"
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(
+        "Error: worker not started: fence_default_ttl must be greater than 0 seconds, got 0"
+    )
 
 
 def test_embedded_worker_refuses_to_start_with_impossible_timings(

@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import string
+import sys
 import threading
 import time
 import weakref
@@ -191,13 +192,20 @@ signals.before_task_publish.connect(_add_header, weak=False, dispatch_uid="celer
 
 def refuse_start(what: str, error: FenceError) -> NoReturn:
     """Stop a worker or beat (``what``) from starting with ``error``. Under Celery's command of
-    that name (``celery worker``, ``celery beat``), as one line and exit status 1, as for a
-    mistyped option, instead of a traceback; otherwise (``start_worker``, a scheduler made in a
-    test, the beat a worker's ``-B`` starts), as ``error`` itself, for its caller."""
+    that name (``celery worker``, ``celery beat``, ``app.worker_main()``), as one line and exit
+    status 1, as for a mistyped option, instead of a traceback; otherwise (``start_worker``, a
+    scheduler made in a test, the beat a worker's ``-B`` starts), as ``error`` itself, for its
+    caller."""
     context = click.get_current_context(silent=True)
     if context is None or context.info_name != what:
         raise error
-    raise click.ClickException(f"{what} not started: {error}") from error
+    refusal = click.ClickException(f"{what} not started: {error}")
+    # On the process's own stderr: by the time a quiet beat (``celery -q``) makes its scheduler,
+    # Celery has redirected sys.stderr to its log.
+    refusal.show(file=sys.__stderr__)
+    # Not an Exception, which a quiet beat would log with a traceback first (it makes the
+    # scheduler as its service starts), and which app.worker_main() would hand to its caller.
+    raise SystemExit(refusal.exit_code) from error
 
 
 class FenceWorkerStep(bootsteps.Step):  # type: ignore[misc]
@@ -323,7 +331,9 @@ class Fence:
         """
         attributes = {
             "fence": self,
-            "fence_lease": validation.check_text(lease, "lease", max_length=500),
+            "fence_lease": validation.check_text(
+                lease, "lease", max_length=validation.MAX_TEXT_LENGTH
+            ),
             "fence_environment": environment,
             "fence_ttl": _seconds_or_none(ttl, "ttl", validation.MAX_TTL_SECONDS),
             "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
