@@ -1357,6 +1357,8 @@ class LeaseStore:
     def latest_dispatches(self, schedule: str, entries: Iterable[str]) -> dict[str, Dispatch]:
         """The latest slot claimed for each of ``entries`` (each checked as for
         :meth:`claim_slot`) of ``schedule``, read at once: by entry, for the entries with one."""
+        if isinstance(entries, str):
+            raise ConfigurationError("entries must be a collection of entry names, not a string")
         params = {
             "schedule": validation.check_name(schedule),
             "entries": list(dict.fromkeys(validation.check_entry(entry) for entry in entries)),

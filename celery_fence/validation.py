@@ -130,7 +130,7 @@ def check_max_hold(
 
 def readable(check: Callable[[object], str], value: object) -> str | None:
     """``value`` as ``check`` returns it, or None when ``check`` refuses it: for recording what
-    could be read of an input that is rejected anyway."""
+    could be read of an input that is rejected anyway, or leaving out one that would be."""
     try:
         return check(value)
     except ConfigurationError:

@@ -269,6 +269,10 @@ def test_a_schedule_entry_is_refused_by_its_own_name_when_too_long_to_record(
     with pytest.raises(ConfigurationError, match=r"^entry must be at most 454 characters"):
         store.latest_dispatches("scheduler:plans", ["e" * 453, "e" * 455])
     assert statements == []
+    with pytest.raises(ConfigurationError, match=r"^entries must be a collection of entry names"):
+        store.latest_dispatches("scheduler:plans", "e" * 454)
+    assert store.latest_dispatches("scheduler:plans", []) == {}
+    assert statements == []
     assert store.latest_dispatches("scheduler:plans", ["e" * 454, "e" * 453]) == {"e" * 454: latest}
 
 

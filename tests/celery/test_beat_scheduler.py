@@ -21,7 +21,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
-from celery.beat import ScheduleEntry
+from celery.beat import ScheduleEntry, Service
 from celery.schedules import crontab
 from freezegun import freeze_time
 from freezegun.api import FrozenDateTimeFactory
@@ -281,6 +281,12 @@ def test_a_standby_says_where_its_schedule_or_environment_differs_from_the_leade
         assert instances["alike"].purpose == leader
         assert re.fullmatch(r"celery beat, schedule [0-9a-f]{12}", leader)
         assert instances["leader"].info.endswith(f". purpose -> {leader} (1 entry)")
+        # The banner's instance, which Celery makes without reading the schedule, says the same.
+        banner = Service(app=apps[0], scheduler_cls=FencedScheduler).get_scheduler(lazy=True)
+        try:
+            assert banner.info.endswith(f". purpose -> {leader} (1 entry)")
+        finally:
+            banner.close()
     finally:
         for instance in instances.values():
             instance.close()
@@ -536,7 +542,8 @@ def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(clocked_app
     """Two crontab entries, and one whose name is too long for a slot to be claimed for it: the
     leader sends 10:00, 10:02 and 10:04 of the first and 10:01 of the second, and stops at
     10:05:59. Taking over at 10:07:10, the standby sends each entry's 10:06 occurrence, counted
-    from that entry's own latest slot; the entry no slot can be claimed for reads none."""
+    from the slots claimed for that entry; the entry no slot can be claimed for is not read, and
+    does not keep the others from being read."""
     unclaimable = "e" * (validation.MAX_ENTRY_LENGTH + 1)
     clocked_app.conf.beat_schedule = {
         ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")},

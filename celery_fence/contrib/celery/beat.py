@@ -176,6 +176,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.highest_epoch = 0
         self.halted: str | None = None
         self._closed = False
+        self._schedule_read = False  # a lazy instance (the banner's) reads it when asked
         self._renew_at = 0.0
         self._standby_reason: str | None = None
         # As a worker does, beat refuses to start without the schema; a database it cannot reach
@@ -191,6 +192,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
 
     @property
     def info(self) -> str:
+        if not self._schedule_read:
+            # Celery makes the banner's scheduler lazily, without its schedule.
+            self.setup_schedule()
         entries = len(self.schedule)
         return (
             f"    . lease -> {self.lease_name} (ttl {self.ttl:g}s, renew every "
@@ -209,6 +213,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
     def setup_schedule(self) -> None:
         """The schedule, on the grid of its slots (see :meth:`_catch_up`)."""
         super().setup_schedule()
+        self._schedule_read = True
         self._catch_up()
 
     def _catch_up(self) -> None:
