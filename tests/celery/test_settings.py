@@ -6,6 +6,7 @@ lease is taken; a worker with such a configuration does not start.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -257,6 +258,7 @@ def job():
         ["beat", "-S", "fence"],
         ["-q", "worker", "-P", "solo"],
         ["-q", "beat", "-S", "fence"],
+        ["-q", "beat", "-S", "fence", "--logfile", "beat.log"],
     ],
 )
 @pytest.mark.parametrize(
@@ -276,8 +278,9 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
     said: str,
 ) -> None:
     """`celery worker` and `celery beat` that celery-fence keeps from starting say why in one
-    line and exit 1, as for a mistyped option, without a traceback, also quiet (`celery -q`,
-    under which beat makes its scheduler only as its service starts)."""
+    line and exit 1, as for a mistyped option, without a traceback. Quiet (`celery -q`), beat
+    makes its scheduler only once its output goes to its log: the line is a log line there, in
+    its --logfile when it has one."""
     if schema:
         store = LeaseStore.from_url(empty_database_url)
         store.install()
@@ -292,10 +295,18 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
         check=False,
     )
     assert result.returncode == 1, result.stderr
-    assert "Traceback" not in result.stderr
+    logged = tmp_path / "beat.log"
+    output = result.stderr + (logged.read_text() if "--logfile" in command else "")
+    assert "Traceback" not in output
     [name] = [word for word in command if word in ("worker", "beat")]
-    [line] = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
-    assert line.startswith(f"Error: {name} not started: {said}")
+    [line] = [line for line in output.splitlines() if f"{name} not started: " in line]
+    if command[:2] == ["-q", "beat"]:
+        assert re.fullmatch(
+            rf"\[[^]]+: CRITICAL/MainProcess\] beat not started: {re.escape(said)}.*", line
+        )
+    else:
+        assert line.startswith(f"Error: {name} not started: {said}")
+    assert (result.stderr == "") == ("--logfile" in command)
 
 
 def test_a_worker_started_from_python_refuses_to_start_in_one_line(

@@ -23,6 +23,7 @@ import click
 from celery import Celery, Task, bootsteps, current_task, signals
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject, Retry
+from celery.utils.log import LoggingProxy
 
 from celery_fence import validation
 from celery_fence.exceptions import (
@@ -200,9 +201,12 @@ def refuse_start(what: str, error: FenceError) -> NoReturn:
     if context is None or context.info_name != what:
         raise error
     refusal = click.ClickException(f"{what} not started: {error}")
-    # On the process's own stderr: by the time a quiet beat (``celery -q``) makes its scheduler,
-    # Celery has redirected sys.stderr to its log.
-    refusal.show(file=sys.__stderr__)
+    if isinstance(sys.stderr, LoggingProxy):
+        # A quiet beat (``celery -q``) makes its scheduler once Celery sends stderr to its log
+        # (its --logfile, if any): the line goes there, as the rest of its output does.
+        log.critical("%s", refusal.format_message())
+    else:
+        refusal.show()
     # Not an Exception, which a quiet beat would log with a traceback first (it makes the
     # scheduler as its service starts), and which app.worker_main() would hand to its caller.
     raise SystemExit(refusal.exit_code) from error
