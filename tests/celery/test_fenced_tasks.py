@@ -740,23 +740,53 @@ def test_a_redelivery_after_its_earlier_delivery_ran_to_its_end_is_dropped(
     assert store.stale_runs() == []
 
 
-@pytest.mark.parametrize("requeue", [True, False])
+@pytest.mark.parametrize(("requeue", "acks_late"), [(True, True), (True, False), (False, True)])
 def test_a_run_whose_message_is_requeued_keeps_its_lease_until_it_expires(
-    fence: Fence, store: LeaseStore, requeue: bool
+    fence: Fence, store: LeaseStore, requeue: bool, acks_late: bool
 ) -> None:
-    """``Reject(requeue=True)`` puts the message back for a later run: the lease is kept until
-    it expires (its renewals stop), since a released one would tell that message's redelivery
-    that the work was done. A message rejected for good releases it."""
+    """``Reject(requeue=True)`` puts a message acknowledged late back for a later run: the lease
+    is kept until it expires (its renewals stop), since a released one would tell that message's
+    redelivery that the work was done. A message rejected for good, or one acknowledged when it
+    arrived (nothing can put it back), releases it."""
 
-    @fence.task(lease="release:{environment}")
+    @fence.task(lease="release:{environment}", acks_late=acks_late)
     def publish(environment: str) -> None:
         raise Reject("not now", requeue=requeue)
 
     assert publish.apply(("prod",)).state == states.REJECTED
     owner = store.owner(NAME)
     assert owner is not None
-    assert owner.state == ("held" if requeue else "released")
-    assert [entry.end_reason for entry in store.history(NAME)] == [None if requeue else "released"]
+    kept = requeue and acks_late
+    assert owner.state == ("held" if kept else "released")
+    assert [entry.end_reason for entry in store.history(NAME)] == [None if kept else "released"]
+
+
+@pytest.mark.parametrize("interruption", [SystemExit, KeyboardInterrupt])
+def test_a_run_stopped_in_the_middle_keeps_its_lease_until_it_expires(
+    fence: Fence,
+    store: LeaseStore,
+    interruption: type[BaseException],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A prefork pool process sent SIGTERM (a cold shutdown, or a service manager stopping the
+    whole process group) raises SystemExit in the body: the work may be unfinished, and its
+    message, acknowledged late, comes back. The lease is kept until it expires, renewals
+    stopped, so that the redelivery runs then instead of being taken for work done."""
+    caplog.set_level(logging.INFO, "celery_fence")
+
+    @fence.task(lease="release:{environment}", acks_late=True)
+    def publish(environment: str) -> None:
+        raise interruption()
+
+    with pytest.raises(interruption):
+        publish.apply(("prod",))
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert owner.state == "held"
+    assert [entry.end_reason for entry in store.history(NAME)] == [None]
+    assert (
+        f"keeping lease {NAME} until it expires: the run was interrupted ({interruption.__name__})"
+    ) in caplog.messages
 
 
 def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(
@@ -932,15 +962,15 @@ def test_the_links_of_a_chain_after_a_skipped_task_end_skipped_too(
 
 
 @pytest.mark.parametrize(
-    ("policy", "refusals", "busy_retries"),
+    ("policy", "retried", "busy_retries"),
     [
-        ("raise", 1, None),
-        ("retry", 2, None),
+        ("raise", 0, None),
+        ("retry", 1, None),
         # A message that already had its busy retries fails at its next refusal.
-        ("retry", 1, 1),
+        ("retry", 0, 1),
         # A busy retry count that is not a non-negative integer counts as none.
-        ("retry", 2, -5),
-        ("retry", 2, "9"),
+        ("retry", 1, -5),
+        ("retry", 1, "9"),
     ],
 )
 def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
@@ -952,7 +982,7 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     wait: Wait,
     failures: dict[str, BaseException],
     policy: str,
-    refusals: int,
+    retried: int,
     busy_retries: object,
 ) -> None:
     # One retry at most; its countdown, the owner's remaining time, is capped at fence_max_ttl.
@@ -986,7 +1016,11 @@ def test_busy_raise_and_exhausted_retries_fail_with_lease_held_error(
     )
     assert str(caller) == str(error)
     assert f"held by {HOLDER} (epoch {epoch})" in str(caller)
-    assert fence.store.metrics.get(f"busy.{policy}") == refusals
+    # Each refusal counts as what it did: retried, or raised (the retry past the bound too).
+    assert (fence.store.metrics.get("busy.retry"), fence.store.metrics.get("busy.raise")) == (
+        retried,
+        1,
+    )
     assert not publish.ran.is_set()
 
 

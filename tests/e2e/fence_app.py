@@ -25,6 +25,7 @@ from celery_fence.contrib.celery import HEADER, Fence
 
 TICK = "e2e.tick"
 RELEASE = "e2e.release"
+RELEASE_ACKED_LATE = "e2e.release_acked_late"
 RELEASE_TTL = 2.0
 
 SCHEMA = """
@@ -114,15 +115,7 @@ def tick(self: Any) -> int:
     return scheduler.epoch
 
 
-@fence.task(
-    name=RELEASE,
-    lease="release:{environment}",
-    environment="{environment}",
-    purpose="release {release_id} of {build}",
-    ttl=RELEASE_TTL,
-    bind=True,
-)
-def release(
+def _release(
     self: Any, environment: str, release_id: str, build: str, migrate: float = 1.0
 ) -> dict[str, Any]:
     """A simulated release: validate, migrate, then publish the manifest as the current one."""
@@ -163,6 +156,21 @@ def release(
             },
         )
     return {"release_id": release_id, "epoch": lease.epoch}
+
+
+RELEASE_OPTIONS: dict[str, Any] = {
+    "lease": "release:{environment}",
+    "environment": "{environment}",
+    "purpose": "release {release_id} of {build}",
+    "ttl": RELEASE_TTL,
+    "bind": True,
+}
+release = fence.task(name=RELEASE, **RELEASE_OPTIONS)(_release)
+#: The same release, its message acknowledged only once it ran, and put back when the worker
+#: process running it is lost.
+release_acked_late = fence.task(
+    name=RELEASE_ACKED_LATE, acks_late=True, reject_on_worker_lost=True, **RELEASE_OPTIONS
+)(_release)
 
 
 @signals.before_task_publish.connect(sender=TICK, weak=False)

@@ -20,7 +20,7 @@ from celery_fence import LeaseStore, StaleEpochError
 from celery_fence.contrib.celery import SKIPPED
 
 from .conftest import Cluster, wait_until
-from .fence_app import RELEASE, RELEASE_TTL
+from .fence_app import RELEASE, RELEASE_ACKED_LATE, RELEASE_TTL
 
 pytestmark = pytest.mark.e2e
 
@@ -126,3 +126,34 @@ def test_release_whose_lease_was_taken_over_cannot_publish(
         assert (run.environment, run.enforced) == ("staging", True)
         assert (run.stale_epoch, run.stale_holder) == (1, start_a.holder)
         assert (run.current_epoch, run.current_holder) == (2, history[0].holder)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_release_whose_pool_process_is_terminated_runs_again_once_its_lease_expires(
+    cluster: Cluster, store: LeaseStore, engine: Engine
+) -> None:
+    """A service manager that stops the worker's whole process group (systemd's default) sends
+    SIGTERM to the pool process running a release too, which raises SystemExit in its body. Its
+    message, acknowledged late, is put back. The interrupted run keeps its lease until it
+    expires, so that the redelivery runs then, at the next epoch, and publishes, instead of
+    being dropped as work already done."""
+    worker = cluster.worker("w1", concurrency=1)
+    result = cluster.send(RELEASE_ACKED_LATE, "prod", "r-301", "build-301", migrate=MIGRATE / 2)
+    first = wait_until(lambda: started(engine, result.id), timeout=15, what="the release to start")
+    os.kill(first.worker_pid, signal.SIGTERM)
+
+    assert cluster.finished(result, timeout=RELEASE_TTL + MIGRATE + 30) == "SUCCESS"
+    assert result.result == {"release_id": "r-301", "epoch": 2}
+    assert manifests(engine, "prod") == [("r-301", "build-301", 2, True)]
+    with engine.connect() as conn:
+        starts = conn.execute(
+            sa.text("SELECT epoch FROM release_starts WHERE task_id = :id ORDER BY epoch"),
+            {"id": result.id},
+        ).scalars()
+        assert list(starts) == [1, 2]
+    history = store.history("release:prod")
+    assert [(h.epoch, h.end_reason) for h in history] == [(2, "released"), (1, "expired")]
+    worker.wait_for_log(
+        "keeping lease release:prod until it expires: the run was interrupted (SystemExit)",
+        timeout=5,
+    )

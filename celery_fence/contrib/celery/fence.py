@@ -429,20 +429,21 @@ class Fence:
                 return run
         return self._acquire(task, arguments, environment, enforced)
 
-    def end(self, run: FencedRun, *, requeued: bool = False) -> None:
+    def end(self, run: FencedRun, *, keep: str | None = None) -> None:
         """Stop renewing; release the lease if this run holds it and need not keep it (a
-        continuation sharing its publisher's lease only leaves it). A run whose message is
-        ``requeued`` (``Reject(requeue=True)``) keeps it until it expires: a released lease
-        would tell the message's redelivery that its work was done."""
+        continuation sharing its publisher's lease only leaves it). With ``keep`` (why: its
+        message is requeued, or the run was interrupted) the lease is kept until it expires: a
+        released lease would tell the message's redelivery that its work was done."""
         if run.keeper is not None:
             run.keeper.stop()
         lease = run.lease
         if lease is None:
             return
-        if requeued:
+        if keep is not None:
             log.info(
-                "keeping lease %s until it expires: the message is requeued",
+                "keeping lease %s until it expires: %s",
                 lease.name,
+                keep,
                 extra={"lease": lease.name, "epoch": lease.epoch},
             )
             return
@@ -711,16 +712,25 @@ class FencedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.fence.begin(self, args, kwargs)
         token = _current.set(run)
-        requeued = False
+        keep = None
         try:
             return super().__call__(*args, **kwargs)
         except Reject as exc:
-            requeued = bool(exc.requeue)
+            # Only a message acknowledged late can still be put back.
+            if exc.requeue and self.acks_late:
+                keep = "the message is requeued"
+            raise
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                # Stopped in the middle (a prefork child's SIGTERM handler raises SystemExit in
+                # the body): the work may be unfinished, and a message acknowledged late comes
+                # back.
+                keep = f"the run was interrupted ({type(exc).__name__})"
             raise
         finally:
             _current.reset(token)
             header = run.header()
-            self.fence.end(run, requeued=requeued)
+            self.fence.end(run, keep=keep)
             if header is not None and not self.request.called_directly:
                 # What the worker publishes after the body (the next link of a chain, a chord
                 # callback) runs at this epoch too.
@@ -949,12 +959,17 @@ class FencedTask(Task):  # type: ignore[misc]
             )
         if holder_unknown and policy == "skip" and retries:
             policy = "retry"  # a second later: there is no owner's expiry to wait for
-        if policy == "retry" and not retries:
-            policy = "raise"
+        busy_retries = self._busy_retries() + 1
+        if policy == "retry" and (
+            not retries or busy_retries > self.fence.settings.busy_max_retries
+        ):
+            policy = "raise"  # called directly or eagerly, or past fence_busy_max_retries
+        if policy == "skip" and self.request.called_directly:
+            policy = "raise"  # the caller learns it from the error
         self.fence.store.metrics.incr(f"busy.{policy}")
         if policy == "retry":
-            self._retry_busy(message, error, {BUSY_RETRIES: self._busy_retries() + 1})
-        if policy == "raise" or self.request.called_directly:
+            self._retry_busy(message, error, {BUSY_RETRIES: busy_retries})
+        if policy == "raise":
             log.info(message, extra={"lease": name})
             raise error
         log.info("%s; skipped", message, extra={"lease": name})
@@ -971,11 +986,8 @@ class FencedTask(Task):  # type: ignore[misc]
         """Send this message again at the owner's expiry (1 s for a paused lease), with
         ``headers`` added, and end this delivery in ``RETRY``, as ``Task.retry`` would, but
         without counting a retry of the task's own: ``request.retries`` and ``max_retries``
-        are the task's. A message past ``fence_busy_max_retries`` busy retries fails with
-        ``error`` instead."""
+        are the task's."""
         settings = self.fence.settings
-        if headers.get(BUSY_RETRIES, 0) > settings.busy_max_retries:
-            raise error
         owner = error.owner
         countdown = 1.0
         if owner is not None and not owner.paused:
