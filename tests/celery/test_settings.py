@@ -251,6 +251,24 @@ def job():
 """
 
 
+def run_refused(
+    directory: Path, url: str, ttl: int, *arguments: str
+) -> subprocess.CompletedProcess[str]:
+    """Run Python with ``arguments`` in ``directory``, where module ``refused`` holds an app on
+    ``url`` with ``fence_default_ttl`` ``ttl``; it must exit with status 1."""
+    (directory / "refused.py").write_text(APP_MODULE.format(url=url, ttl=ttl))
+    result = subprocess.run(
+        [sys.executable, *arguments],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 1, result.stderr
+    return result
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -285,16 +303,9 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
         store = LeaseStore.from_url(empty_database_url)
         store.install()
         store.dispose()
-    (tmp_path / "refused.py").write_text(APP_MODULE.format(url=empty_database_url, ttl=ttl))
-    result = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "refused", *command],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    result = run_refused(
+        tmp_path, empty_database_url, ttl, "-m", "celery", "-A", "refused", *command
     )
-    assert result.returncode == 1, result.stderr
     logged = tmp_path / "beat.log"
     output = result.stderr + (logged.read_text() if "--logfile" in command else "")
     assert "Traceback" not in output
@@ -314,17 +325,8 @@ def test_a_worker_started_from_python_refuses_to_start_in_one_line(
 ) -> None:
     """``app.worker_main()``, Celery's command called from a script, refuses as the command does:
     one line, exit status 1, no traceback."""
-    (tmp_path / "refused.py").write_text(APP_MODULE.format(url=empty_database_url, ttl=0))
     script = "import refused; refused.app.worker_main(['worker', '-P', 'solo'])"
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert result.returncode == 1, result.stderr
+    result = run_refused(tmp_path, empty_database_url, 0, "-c", script)
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1].startswith(
         "Error: worker not started: fence_default_ttl must be greater than 0 seconds, got 0"
