@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from celery import Celery, chain, chord, group, states
+from celery import Celery, Task, chain, chord, group, states
 from celery.result import AsyncResult
 from sqlalchemy.engine import Engine
 
@@ -859,5 +859,36 @@ def test_shadow_mode_runs_a_stale_header_and_records_it(
     with worker():
         assert wait.outcome(run_with_header(publish, header, "prod")) == [False, True]
 
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.reason, stale.stale_epoch, stale.enforced) == ("superseded", 1, False)
+
+
+def test_a_link_after_a_run_without_a_lease_carries_no_header(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Shadow mode runs a stale continuation without a lease. What the worker publishes after
+    its body (a link) carries no header, as nothing the body publishes does, rather than the
+    stale one the run came with, which would be judged and recorded again in every link."""
+    app.conf.fence_enforcement = "shadow"
+    linked: list[object] = []
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        pass
+
+    @app.task(bind=True)
+    def after(self: Task, _: None) -> None:
+        linked.append((self.request.headers or {}).get(HEADER, "no header"))
+
+    old = take(store, holder="old-job@test")
+    header = FenceHeader.for_lease(old, "resume").to_message()
+    store.release(old)
+    take(store)
+    with worker():
+        result = publish.apply_async(("prod",), headers={HEADER: header}, link=after.s())
+        wait.finished(result)
+        wait.until(lambda: linked, what="the link")
+
+    assert linked == ["no header"]
     [stale] = store.stale_runs(lease_name=NAME)
     assert (stale.reason, stale.stale_epoch, stale.enforced) == ("superseded", 1, False)

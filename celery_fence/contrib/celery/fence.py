@@ -731,10 +731,11 @@ class FencedTask(Task):  # type: ignore[misc]
             _current.reset(token)
             header = run.header()
             self.fence.end(run, keep=keep)
-            if header is not None and not self.request.called_directly:
+            if not self.request.called_directly:
                 # What the worker publishes after the body (the next link of a chain, a chord
-                # callback) runs at this epoch too.
-                setattr(self.request, HEADER, header.to_message())
+                # callback) runs at this epoch too; after a run without a lease, without the
+                # header the message came with, as what the body published.
+                setattr(self.request, HEADER, _NO_HEADER if header is None else header.to_message())
 
     def apply(
         self,
@@ -1139,10 +1140,17 @@ def _dispatch_of(value: object | None) -> FenceHeader | None:
         return None
 
 
+#: What a run without a lease leaves as its request's header (see :func:`_header_of`).
+_NO_HEADER = object()
+
+
 def _header_of(request: Any) -> object | None:
-    """The request's header: the one its run set after the body (see ``FencedTask.__call__``)
-    over the one the message brought, which Celery also keeps in ``request.headers``."""
+    """The request's header: the one its run set after the body (see ``FencedTask.__call__``),
+    or none after a run without a lease, over the one the message brought, which Celery also
+    keeps in ``request.headers``."""
     value: object | None = getattr(request, HEADER, None)
+    if value is _NO_HEADER:
+        return None
     if value is not None:
         return value
     headers = getattr(request, "headers", None) or {}
