@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import sqlalchemy as sa
 from celery import Celery, Task, chain, chord, signals, states
+from celery.app.trace import build_tracer
 from celery.exceptions import ChordError, Reject
 from sqlalchemy.engine import Engine
 
-from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeaseStore
+from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeasePausedError, LeaseStore
 from celery_fence.contrib.celery import (
     HEADER,
     REJECTED,
@@ -417,6 +418,10 @@ def test_busy_skip_reports_the_owner_and_never_succeeds(
     assert not publish.ran.is_set()
     assert [entry.holder for entry in store.history(NAME)] == [HOLDER]
     assert fence.store.metrics.get("busy.skip") == 1
+    # Called directly, the skip raises to its caller: that counts as what it did.
+    with pytest.raises(LeaseHeldError if taken == "held" else LeasePausedError):
+        publish.task("prod")
+    assert (fence.store.metrics.get("busy.skip"), fence.store.metrics.get("busy.raise")) == (1, 1)
 
 
 @pytest.mark.parametrize("owner_ends", ["released", "expired"])
@@ -740,53 +745,84 @@ def test_a_redelivery_after_its_earlier_delivery_ran_to_its_end_is_dropped(
     assert store.stale_runs() == []
 
 
-@pytest.mark.parametrize(("requeue", "acks_late"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("requeue", "acks_late", "ends"),
+    [
+        # Requeued: kept until it expired; the redelivery waited for that, then ran.
+        (True, True, [(2, "released"), (1, "expired")]),
+        # Acknowledged when it arrived, nothing can put the message back; rejected for good.
+        (True, False, [(1, "released")]),
+        (False, True, [(1, "released")]),
+    ],
+)
 def test_a_run_whose_message_is_requeued_keeps_its_lease_until_it_expires(
-    fence: Fence, store: LeaseStore, requeue: bool, acks_late: bool
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    requeue: bool,
+    acks_late: bool,
+    ends: list[tuple[int, str]],
 ) -> None:
     """``Reject(requeue=True)`` puts a message acknowledged late back for a later run: the lease
     is kept until it expires (its renewals stop), since a released one would tell that message's
     redelivery that the work was done. A message rejected for good, or one acknowledged when it
     arrived (nothing can put it back), releases it."""
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    deliveries: list[str] = []
 
     @fence.task(lease="release:{environment}", acks_late=acks_late)
     def publish(environment: str) -> None:
-        raise Reject("not now", requeue=requeue)
+        deliveries.append(environment)
+        if len(deliveries) == 1:
+            raise Reject("not now", requeue=requeue)
 
-    assert publish.apply(("prod",)).state == states.REJECTED
-    owner = store.owner(NAME)
-    assert owner is not None
-    kept = requeue and acks_late
-    assert owner.state == ("held" if kept else "released")
-    assert [entry.end_reason for entry in store.history(NAME)] == [None if kept else "released"]
+    with worker():
+        publish.apply_async(("prod",))
+        wait.until(
+            lambda: [(h.epoch, h.end_reason) for h in store.history(NAME)] == ends,
+            what=f"the lease history {ends}",
+        )
+    assert deliveries == ["prod"] * len(ends)
 
 
 @pytest.mark.parametrize("interruption", [SystemExit, KeyboardInterrupt])
+@pytest.mark.parametrize("acks_late", [True, False])
 def test_a_run_stopped_in_the_middle_keeps_its_lease_until_it_expires(
+    app: Celery,
     fence: Fence,
     store: LeaseStore,
     interruption: type[BaseException],
+    acks_late: bool,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A prefork pool process sent SIGTERM (a cold shutdown, or a service manager stopping the
-    whole process group) raises SystemExit in the body: the work may be unfinished, and its
-    message, acknowledged late, comes back. The lease is kept until it expires, renewals
-    stopped, so that the redelivery runs then instead of being taken for work done."""
+    worker's processes) raises SystemExit in the body: the work may be unfinished, and its
+    message, acknowledged late, may come back. The lease is kept until it expires, renewals
+    stopped, so that the redelivery runs then instead of being taken for work done. A message
+    acknowledged when it arrived cannot come back, nor can an eager call: they release it. Run
+    by Celery's tracer, as a worker runs a task."""
     caplog.set_level(logging.INFO, "celery_fence")
 
-    @fence.task(lease="release:{environment}", acks_late=True)
+    @fence.task(lease="release:{environment}", acks_late=acks_late)
     def publish(environment: str) -> None:
         raise interruption()
 
     with pytest.raises(interruption):
         publish.apply(("prod",))
+    assert [h.end_reason for h in store.history(NAME)] == ["released"]
+    task_id = str(uuid.uuid4())
+    request = {"id": task_id, "delivery_info": {"redelivered": False}, "hostname": "w@test"}
+    with pytest.raises(interruption):
+        build_tracer(publish.name, publish, app=app)(task_id, ("prod",), {}, request=request)
     owner = store.owner(NAME)
     assert owner is not None
-    assert owner.state == "held"
-    assert [entry.end_reason for entry in store.history(NAME)] == [None]
-    assert (
+    assert (owner.epoch, owner.state) == (2, "held" if acks_late else "released")
+    kept = (
         f"keeping lease {NAME} until it expires: the run was interrupted ({interruption.__name__})"
-    ) in caplog.messages
+    )
+    assert (kept in caplog.messages) == acks_late
 
 
 def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(

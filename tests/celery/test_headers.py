@@ -250,6 +250,29 @@ def test_a_task_calling_itself_in_its_run_is_refused_whatever_its_policy(
     assert [(entry.epoch, entry.end_reason) for entry in store.history(NAME)] == [(1, "released")]
 
 
+def test_a_task_calling_itself_for_another_lease_acquires_it_at_each_call(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """Called for another lease, the inner call runs under a lease of its own, each time: it
+    shares the outer run's request, whose header it leaves as it found it, so the second call
+    is not taken for a continuation of the first."""
+    seen: Seen = []
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        run = fence.current()
+        seen.append((environment, run.mode, run.epoch))
+        if environment == "prod":
+            publish("staging")
+            publish("staging")
+
+    with worker():
+        assert wait.finished(publish.delay("prod")) == states.SUCCESS
+
+    assert seen == [("prod", "owner", 1), ("staging", "owner", 1), ("staging", "owner", 2)]
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize("kind", ["group", "chain", "chord", "starmap", "chunks"])
 def test_canvas_members_started_while_the_parent_holds_share_its_epoch(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str

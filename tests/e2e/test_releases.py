@@ -132,7 +132,7 @@ def test_release_whose_lease_was_taken_over_cannot_publish(
 def test_release_whose_pool_process_is_terminated_runs_again_once_its_lease_expires(
     cluster: Cluster, store: LeaseStore, engine: Engine
 ) -> None:
-    """A service manager that stops the worker's whole process group (systemd's default) sends
+    """A service manager that signals every process of the worker (systemd's default) sends
     SIGTERM to the pool process running a release too, which raises SystemExit in its body. Its
     message, acknowledged late, is put back. The interrupted run keeps its lease until it
     expires, so that the redelivery runs then, at the next epoch, and publishes, instead of

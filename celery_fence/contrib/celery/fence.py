@@ -710,32 +710,40 @@ class FencedTask(Task):  # type: ignore[misc]
     fence_renew_interval: float | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        enclosing = _current.get()
         run = self.fence.begin(self, args, kwargs)
         token = _current.set(run)
         keep = None
         try:
             return super().__call__(*args, **kwargs)
         except Reject as exc:
-            # Only a message acknowledged late can still be put back.
-            if exc.requeue and self.acks_late:
+            if exc.requeue and self._may_come_back():
                 keep = "the message is requeued"
             raise
         except BaseException as exc:
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) and self._may_come_back():
                 # Stopped in the middle (a prefork child's SIGTERM handler raises SystemExit in
-                # the body): the work may be unfinished, and a message acknowledged late comes
-                # back.
+                # the body): the work may be unfinished, and the message may come back.
                 keep = f"the run was interrupted ({type(exc).__name__})"
             raise
         finally:
             _current.reset(token)
             header = run.header()
             self.fence.end(run, keep=keep)
-            if not self.request.called_directly:
-                # What the worker publishes after the body (the next link of a chain, a chord
-                # callback) runs at this epoch too; after a run without a lease, without the
-                # header the message came with, as what the body published.
-                setattr(self.request, HEADER, _NO_HEADER if header is None else header.to_message())
+            # What the worker publishes after the body (the next link of a chain, a chord
+            # callback) runs at this epoch too; after a run without a lease, without the header
+            # the message came with, as what the body published. Not for a run inside another:
+            # what is published there carries that run's header, and a task calling itself is
+            # given the request of the body it is called in, which its next call would read.
+            request = self.request
+            if enclosing is None and not request.called_directly:
+                setattr(request, HEADER, _NO_HEADER if header is None else header.to_message())
+
+    def _may_come_back(self) -> bool:
+        """Whether this run's message can be delivered again: one acknowledged late, not one
+        acknowledged when it arrived, nor a call with no message (direct, or eager)."""
+        request = self.request
+        return bool(self.acks_late) and not (request.called_directly or request.is_eager)
 
     def apply(
         self,
