@@ -497,14 +497,22 @@ def _connection(conn: sa.Connection | Session) -> sa.Connection:
     here if none is, likewise), so that the fence check never opens one behind SQLAlchemy's
     back."""
     if isinstance(conn, Session):
+        several = ConfigurationError(
+            "guard cannot tell which of the Session's engines the writes go to; pass the "
+            "Session's connection for them, session.connection(bind_arguments={'mapper': "
+            "Model})"
+        )
+        # binds= as the Session keeps them (``binds`` from SQLAlchemy 2.1, a private attribute
+        # before): with engines other than its default bind, its connection() is the default's
+        # alone.
+        binds = getattr(conn, "binds", None) or getattr(conn, "_Session__binds", None) or {}
+        engines = {bind.engine for bind in (*binds.values(), conn.bind) if bind is not None}
+        if len(engines) > 1:
+            raise several
         try:
             conn = conn.connection()
         except sa.exc.UnboundExecutionError as exc:
-            raise ConfigurationError(
-                "guard cannot tell which of the Session's engines the writes go to; pass the "
-                "Session's connection for them, session.connection(bind_arguments={'mapper': "
-                "Model})"
-            ) from exc
+            raise several from exc
     elif not isinstance(conn, sa.Connection):
         raise ConfigurationError(
             f"guard needs a SQLAlchemy Connection or Session, got {_qualified(conn)}"

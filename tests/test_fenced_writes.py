@@ -1520,12 +1520,27 @@ def test_what_the_guard_cannot_fence_is_refused_before_the_block(
     assert str(caught.value) == (
         "guard needs a SQLAlchemy Connection or Session, got psycopg.Connection"
     )
-    with (
-        Session(binds={sa.Table("protected", sa.MetaData()): protected}) as several,
-        pytest.raises(ConfigurationError, match=r"session\.connection\(bind_arguments="),
-    ):
-        body(got.lease, several)
+    table = sa.Table("protected", sa.MetaData())
+    other = sa.create_engine(protected.url)
+    try:
+        for several in (
+            Session(binds={table: protected}),
+            # A default bind too: its connection is not the one the table's writes use.
+            Session(bind=protected, binds={table: other}),
+        ):
+            with (
+                several,
+                pytest.raises(ConfigurationError, match=r"session\.connection\(bind_arguments="),
+            ):
+                body(got.lease, several)
+    finally:
+        other.dispose()
     assert ran == []
+    # Binds that all name the default bind's engine leave one connection to fence.
+    with Session(bind=protected, binds={table: protected}) as one:
+        body(got.lease, one)
+        one.commit()
+    assert ran == ["body"]
     assert store.release(got.lease) == "released"
 
 

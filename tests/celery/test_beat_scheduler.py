@@ -20,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
 import pytest
-from celery import Celery
+from celery import Celery, schedules
 from celery.beat import ScheduleEntry, Service
 from celery.schedules import crontab
 from freezegun import freeze_time
@@ -566,6 +566,43 @@ def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(clocked_app
         ("report", "10:06", True),
     ]
     assert len(queued(clocked_app)) == len(sent)
+
+
+class Unknowable(schedules.schedule):  # type: ignore[misc]
+    """An interval whose next run cannot be told."""
+
+    def is_due(self, last_run_at: datetime) -> tuple[bool, float]:
+        raise ValueError("no next run")
+
+
+def test_a_standby_passes_over_an_entry_whose_next_run_cannot_be_told(
+    clocked_app: Celery, fake_store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the leader's tick does, a standby logs an entry whose ``is_due`` raises and goes on
+    with the others, rather than stop beat (and a supervisor restart it, in a loop)."""
+    caplog.set_level(logging.ERROR)
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")},
+        "unknowable": {"task": "example.report", "schedule": Unknowable(timedelta(minutes=1))},
+    }
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 0, 20, tzinfo=timezone.utc):
+                leader.tick()
+                standby.tick()
+                frozen.tick(1)
+            assert (leader.lease is not None, standby.lease) == (True, None)
+        finally:
+            leader.close()
+            standby.close()
+    said = [r for r in caplog.records if r.getMessage().startswith("beat on standby cannot tell")]
+    assert said
+    assert {r.getMessage() for r in said} == {
+        "beat on standby cannot tell whether 'unknowable' is due"
+    }
+    assert all(r.exc_info is not None and r.exc_info[0] is ValueError for r in said)
 
 
 def test_a_takeover_that_cannot_read_the_claims_leads_on_and_says_so(

@@ -442,7 +442,13 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         """On standby, move due entries on without sending them, as the leader does when it
         sends them: a standby that takes over then has no backlog of slots to catch up on."""
         for entry in list(self.schedule.values()):
-            due, _ = self.is_due(entry)
+            try:
+                due, _ = self.is_due(entry)
+            except Exception:
+                # As the leader's tick does: one entry whose next run cannot be told must not
+                # stop beat, nor the other entries.
+                log.exception("beat on standby cannot tell whether %r is due", entry.name)
+                continue
             if due:
                 self.reserve(entry)
 
