@@ -475,11 +475,18 @@ def test_a_standby_that_takes_over_sends_the_slot_that_began_while_nobody_led(
     assert len(queued(clocked_app)) == 2
 
 
-def lead_until(instance: FencedScheduler, frozen: FrozenDateTimeFactory, until: str) -> None:
-    """Tick ``instance`` every second, as a running beat does, until ``until`` (HH:MM:SS)."""
+def lead_until(
+    instances: FencedScheduler | tuple[FencedScheduler, ...],
+    frozen: FrozenDateTimeFactory,
+    until: str,
+) -> None:
+    """Tick each of ``instances`` every second, as a running beat does, until ``until``
+    (HH:MM:SS)."""
+    ticking = instances if isinstance(instances, tuple) else (instances,)
     stop = datetime.fromisoformat(f"2030-01-01T{until}+00:00")
     while datetime.now(timezone.utc) < stop:
-        instance.tick()
+        for instance in ticking:
+            instance.tick()
         frozen.tick(1)
 
 
@@ -495,11 +502,7 @@ def fail_over(
         leader = FencedScheduler(app=app, lazy=False)
         standby = FencedScheduler(app=app, lazy=False)
         try:
-            stop = datetime.fromisoformat(f"2030-01-01T{leader_stops}+00:00")
-            while datetime.now(timezone.utc) < stop:
-                leader.tick()
-                standby.tick()
-                frozen.tick(1)
+            lead_until((leader, standby), frozen, leader_stops)
             assert leader.lease is not None
             lead_until(standby, frozen, lease_holds)
             assert standby.lease is None
@@ -589,10 +592,7 @@ def test_a_standby_passes_over_an_entry_whose_next_run_cannot_be_told(
         leader = FencedScheduler(app=clocked_app, lazy=False)
         standby = FencedScheduler(app=clocked_app, lazy=False)
         try:
-            while datetime.now(timezone.utc) < datetime(2030, 1, 1, 10, 0, 20, tzinfo=timezone.utc):
-                leader.tick()
-                standby.tick()
-                frozen.tick(1)
+            lead_until((leader, standby), frozen, "10:00:20")
             assert (leader.lease is not None, standby.lease) == (True, None)
         finally:
             leader.close()
