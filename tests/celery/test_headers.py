@@ -23,7 +23,7 @@ from celery import Celery, Task, chain, chord, group, states
 from celery.result import AsyncResult
 from sqlalchemy.engine import Engine
 
-from celery_fence import Lease, LeaseHeldError, LeaseStore
+from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeaseLostError, LeaseStore
 from celery_fence.contrib.celery import (
     HEADER,
     REJECTED,
@@ -33,6 +33,8 @@ from celery_fence.contrib.celery import (
     FenceHeader,
 )
 from celery_fence.contrib.celery.fence import WAITING
+from celery_fence.contrib.celery.headers import MAX_OUTER
+from celery_fence.store import Mode
 
 if TYPE_CHECKING:
     from conftest import Probe, StartWorker, Wait
@@ -226,6 +228,61 @@ def test_an_eager_or_direct_child_continues_its_parent_run(
     assert store.stale_runs() == []
 
 
+def test_an_eager_run_refused_or_rejected_raises_and_an_eager_chord_calls_no_body(
+    app: Celery, fence: Fence, store: LeaseStore
+) -> None:
+    """Eagerly, a skipped part would hand its chord's body ``None``: a refused run raises the
+    error instead, whatever its policy, as does a continuation rejected as stale."""
+    app.conf.task_always_eager = True
+    bodies: list[Any] = []
+
+    @fence.task(lease="release:{environment}")
+    def part(environment: str) -> int:
+        return 1
+
+    @app.task(shared=False)
+    def body(parts: list[int]) -> None:
+        bodies.append(parts)
+
+    other = take(store, holder="other-job@test")
+    with pytest.raises(LeaseHeldError) as refused:
+        chord([part.si("prod"), part.si("prod")], body.s()).delay()
+    assert refused.value.owner is not None
+    assert refused.value.owner.holder == "other-job@test"
+    assert bodies == []
+
+    header = FenceHeader.for_lease(other, "resume").to_message()
+    store.release(other)
+    take(store)
+    result = part.apply(("prod",), headers={HEADER: header})
+    assert result.state == states.FAILURE
+    assert isinstance(result.result, LeaseLostError)
+    assert result.result.reason == "superseded"
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.stale_epoch, stale.current_epoch) == (1, 2)
+
+
+def test_a_run_that_would_pass_on_too_many_leases_fails_before_taking_its_own(
+    app: Celery, fence: Fence, store: LeaseStore
+) -> None:
+    app.conf.task_always_eager = True
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        raise AssertionError("the body ran")
+
+    build = take(store, "build:0")
+    outer = [outer_entry(build, name=f"build:{n}") for n in range(1, MAX_OUTER + 1)]
+    header = {**FenceHeader.for_lease(build, "resume").to_message(), "outer": outer}
+
+    result = publish.apply(("prod",), headers={HEADER: header})
+
+    assert result.state == states.FAILURE
+    assert isinstance(result.result, ConfigurationError)
+    assert f"at most {MAX_OUTER}" in str(result.result)
+    assert store.owner(NAME) is None
+
+
 def test_a_task_calling_itself_in_its_run_is_refused_whatever_its_policy(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
@@ -298,14 +355,16 @@ def test_canvas_members_started_while_the_parent_holds_share_its_epoch(
     assert store.stale_runs() == []
 
 
+@pytest.mark.parametrize("kind", ["chain", "starmap"])
 def test_chain_links_after_the_parent_ended_each_take_the_lease_over(
-    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, kind: str
 ) -> None:
+    """Solo pool: each link starts after the run before it released the lease, and carries the
+    header of that run (published by the worker after its body); each item of a starmap, called
+    in one task, continues from the item before it."""
     seen: Seen = []
 
-    parent = canvas_tasks(fence, "chain", seen, lambda: None)
-    # Solo pool: each link starts after the run before it released the lease, and carries the
-    # header of that run (published by the worker after its body).
+    parent = canvas_tasks(fence, kind, seen, lambda: None)
     with worker():
         assert wait.finished(parent.delay("prod")) == states.SUCCESS
         wait.until(lambda: len(seen) == 3, what="the three links")
@@ -316,6 +375,48 @@ def test_chain_links_after_the_parent_ended_each_take_the_lease_over(
     assert [entry.epoch for entry in history] == [4, 3, 2, 1]
     assert {entry.end_reason for entry in history} == {"released"}
     assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("superseded", [False, True], ids=["current", "superseded"])
+def test_a_link_after_a_step_on_another_lease_continues_the_run_that_published_the_chain(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, superseded: bool
+) -> None:
+    """A release publishes chain(build, publish): build takes a lease of its own, and the header
+    it passes on to publish still carries the release's entry. Publish continues the release,
+    or, once a newer release took (and gave back) the lease, is rejected as superseded."""
+    seen: Seen = []
+    chains: list[AsyncResult] = []
+
+    @fence.task(lease="release:{environment}")
+    def release(environment: str) -> None:
+        chains.append(chain(build.si(environment), publish.si(environment)).delay())
+
+    @fence.task(lease="build:{environment}")
+    def build(environment: str) -> None:
+        run = fence.current()
+        seen.append(("build", run.mode, run.epoch))
+        if superseded:
+            store.release(take(store, holder="newer-release@test"))
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        run = fence.current()
+        seen.append(("publish", run.mode, run.epoch))
+
+    with worker():
+        assert wait.finished(release.delay("prod")) == states.SUCCESS
+        state = wait.finished(wait.until(lambda: chains, what="the chain")[0])
+
+    if superseded:
+        assert (state, seen) == (REJECTED, [("build", "owner", 1)])
+        [stale] = store.stale_runs(lease_name=NAME)
+        assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
+        assert stale.action == f"start {publish.name}"
+    else:
+        assert state == states.SUCCESS
+        assert seen == [("build", "owner", 1), ("publish", "resume", 2)]
+        assert [entry.epoch for entry in store.history(NAME)] == [2, 1]
+        assert store.stale_runs() == []
 
 
 def test_group_members_after_the_parent_ended_take_it_over_once(
@@ -510,6 +611,11 @@ def malformed(lease: Lease, **changes: Any) -> dict[str, Any]:
     return {key: value for key, value in message.items() if value is not None}
 
 
+def outer_entry(lease: Lease, mode: Mode = "resume", name: str = "build:prod") -> dict[str, Any]:
+    """An entry of another lease than ``lease``'s, as a header's ``outer`` carries it."""
+    return FenceHeader.for_lease(dataclasses.replace(lease, name=name), mode).to_message()
+
+
 MALFORMED: dict[str, Callable[[Lease], object]] = {
     "missing proof": lambda lease: malformed(lease, proof=None),
     "missing epoch": lambda lease: malformed(lease, epoch=None),
@@ -522,6 +628,17 @@ MALFORMED: dict[str, Callable[[Lease], object]] = {
     "publication ending in a newline": lambda lease: malformed(lease, publication="a" * 32 + "\n"),
     "proof ending in a newline": lambda lease: malformed(lease, proof="a" * 64 + "\n"),
     "not a mapping": lambda lease: f"{lease.name}@{lease.epoch}",
+    "outer not a list": lambda lease: malformed(lease, outer="build:prod"),
+    "outer entry of the header's own lease": lambda lease: malformed(
+        lease, outer=[outer_entry(lease, name=lease.name)]
+    ),
+    "outer entry in join mode": lambda lease: malformed(lease, outer=[outer_entry(lease, "join")]),
+    "outer entry with a publication": lambda lease: malformed(
+        lease, outer=[{**outer_entry(lease), "publication": "a" * 32}]
+    ),
+    "more outer entries than travel": lambda lease: malformed(
+        lease, outer=[outer_entry(lease, name=f"build:{n}") for n in range(MAX_OUTER + 1)]
+    ),
 }
 
 

@@ -86,6 +86,8 @@ class FencedRun:
         self.keeper = keeper
         self.min_hold = min_hold
         self.dispatched_by: FenceHeader | None = None
+        #: The entries of other leases the run's header brought, which it passes on.
+        self.outer: tuple[FenceHeader, ...] = ()
         self.started = time.monotonic()
         self._lease = lease
 
@@ -151,7 +153,7 @@ class FencedRun:
         lease = self.lease
         if lease is None:
             return None
-        return FenceHeader.for_lease(lease, "resume")
+        return FenceHeader.for_lease(lease, "resume", self.outer)
 
 
 def current_run() -> FencedRun | None:
@@ -401,11 +403,28 @@ class Fence:
         )
         enforcement = settings.enforcement_for(environment)
         value = _header_of(task.request)
+        if value is None and task.request.called_directly:
+            # Called as a function (celery.starmap and chunks call each item so) inside a fenced
+            # run, or inside a task one published: it continues that run, as a task published
+            # from there would.
+            passed_on: dict[str, Any] = {}
+            _add_header(passed_on)
+            value = passed_on.get(HEADER)
+        received = _readable(value)
         if enforcement == "off":
             run = FencedRun(store=self.store, mode="owner", enforced=False)
         else:
+            # Checked before the lease is taken: a run that could not pass its header on fails
+            # first.
+            outer = (
+                ()
+                if received is None
+                else received.passed_on(_fill(task.fence_lease, arguments, "lease"))
+            )
             run = self._start(task, value, arguments, environment, enforcement == "enforce")
-        run.dispatched_by = _dispatch_of(value)
+            run.outer = outer
+        if received is not None and received.mode == "join":
+            run.dispatched_by = received
         return run
 
     def _start(
@@ -416,13 +435,6 @@ class Fence:
         environment: str,
         enforced: bool,
     ) -> FencedRun:
-        if value is None and task.request.called_directly:
-            # Called as a function (celery.starmap and chunks call each item so) inside a fenced
-            # run, or inside a task one published: it continues that run, as a task published
-            # from there would.
-            passed_on: dict[str, Any] = {}
-            _add_header(passed_on)
-            value = passed_on.get(HEADER)
         if value is not None:
             run = self._continue(task, value, arguments, environment, enforced)
             if run is not None:
@@ -593,8 +605,8 @@ class Fence:
     ) -> FencedRun | None:
         """Run under the header's epoch (a retry or child of a run on this task's own lease,
         ``resume``), or, for a beat dispatch (``join``), check that the scheduler's epoch is still
-        current and take the task's own lease. ``None`` for a header about another lease, which
-        the task does not continue: it takes its own lease instead."""
+        current and take the task's own lease. ``None`` for a header that carries no entry of
+        the task's lease, which the task does not continue: it takes its own lease instead."""
         action = f"start {task.name}"
         try:
             header = FenceHeader.from_message(value)
@@ -618,8 +630,12 @@ class Fence:
             )
         ttl = task.lease_ttl(self.settings)
         if header.mode == "resume":
-            if header.lease != _fill(task.fence_lease, arguments, "lease"):
+            entry = header.entry_for(_fill(task.fence_lease, arguments, "lease"))
+            if entry is None:
                 return None
+            # The run continues under its own lease's entry: the header's, or an outer one (a
+            # chain link after a step on another lease).
+            header = entry
             # Before the lease is taken up: a run that cannot renew it fails first.
             interval = task.renew_interval(self.settings, ttl)
             done = self._done_before(task, header.lease, enforced, "resume")
@@ -738,6 +754,13 @@ class FencedTask(Task):  # type: ignore[misc]
             request = self.request
             if enclosing is None and not request.called_directly:
                 setattr(request, HEADER, _NO_HEADER if header is None else header.to_message())
+            elif enclosing is None and run.mode == "resume" and header is not None:
+                # Called as a function in a task published from a fenced run (each item of a
+                # starmap or chunks), which it continued: the next item continues from this
+                # one's epoch, which may have taken the lease over from the one it came with.
+                caller = current_task.request if current_task else None
+                if caller is not None and not caller.called_directly:
+                    setattr(caller, HEADER, header.to_message())
 
     def _may_come_back(self) -> bool:
         """Whether this run's message can be delivered again: one acknowledged late, not one
@@ -973,8 +996,10 @@ class FencedTask(Task):  # type: ignore[misc]
             not retries or busy_retries > self.fence.settings.busy_max_retries
         ):
             policy = "raise"  # called directly or eagerly, or past fence_busy_max_retries
-        if policy == "skip" and self.request.called_directly:
-            policy = "raise"  # the caller learns it from the error
+        if policy == "skip" and not retries:
+            # Called directly or eagerly, the caller learns it from the error: an eager chord
+            # would call its body with a skipped part's None.
+            policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
         if policy == "retry":
             self._retry_busy(message, error, {BUSY_RETRIES: busy_retries})
@@ -1018,8 +1043,9 @@ class FencedTask(Task):  # type: ignore[misc]
         raise Retry(message, exc=error, when=countdown, sig=signature)
 
     def reject(self, error: LeaseLostError) -> NoReturn:
-        """End a continuation whose epoch no longer holds before its body runs."""
-        if self.request.called_directly:
+        """End a continuation whose epoch no longer holds before its body runs: called directly
+        or eagerly, with the error, as a skip."""
+        if self.request.called_directly or self.request.is_eager:
             raise error
         self._stop(REJECTED, error)
 
@@ -1138,9 +1164,9 @@ def _fill(template: str, arguments: Mapping[str, Any], what: str) -> str:
         ) from exc
 
 
-def _dispatch_of(value: object | None) -> FenceHeader | None:
-    """The header ``value`` when it is a fenced beat's (mode ``join``) and well formed."""
-    if not isinstance(value, Mapping) or value.get("mode") != "join":
+def _readable(value: object | None) -> FenceHeader | None:
+    """The header ``value``, when there is one and it is well formed."""
+    if value is None:
         return None
     try:
         return FenceHeader.from_message(value)

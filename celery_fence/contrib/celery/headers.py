@@ -4,7 +4,9 @@ The header carries the lease name, epoch, holder, mode and a proof: HMAC-SHA256 
 lease's secret token over those fields. The token itself never travels; the worker checks the
 proof in the database (``celery_fence.rejoin``). A header published from a run also carries a
 ``publication`` id, new for each message sent, which tells a redelivery of that message from
-another message of the same task id (a retry).
+another message of the same task id (a retry). A header published from a run on one lease
+that was itself published under others (a chain link after a step on another lease) also carries
+those leases' entries, ``outer``: a later step on one of them continues under it, not anew.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast, get_args
 
 from celery_fence import validation
@@ -23,6 +25,9 @@ from celery_fence.store import Mode, proof
 HEADER = "celery_fence"
 _PROOF = re.compile("[0-9a-f]{64}")
 _PUBLICATION = re.compile("[0-9a-f]{32}")
+#: At most this many other leases' entries travel in one header (``outer``).
+MAX_OUTER = 16
+_ENTRY_FIELDS = frozenset({"lease", "epoch", "holder", "mode", "proof"})
 
 
 class MalformedHeaderError(ConfigurationError):
@@ -42,19 +47,24 @@ class FenceHeader:
     mode: Mode
     proof: str
     publication: str | None = None
+    #: The ``resume`` entries of the other leases the publisher ran under, nearest first.
+    outer: tuple[FenceHeader, ...] = ()
 
     @classmethod
-    def for_lease(cls, lease: Lease, mode: Mode) -> FenceHeader:
+    def for_lease(
+        cls, lease: Lease, mode: Mode, outer: tuple[FenceHeader, ...] = ()
+    ) -> FenceHeader:
         return cls(
             lease=lease.name,
             epoch=lease.epoch,
             holder=lease.holder,
             mode=mode,
             proof=proof(lease, mode),
+            outer=outer,
         )
 
     def to_message(self) -> dict[str, Any]:
-        message = {
+        message: dict[str, Any] = {
             "lease": self.lease,
             "epoch": self.epoch,
             "holder": self.holder,
@@ -63,7 +73,28 @@ class FenceHeader:
         }
         if self.publication is not None:
             message["publication"] = self.publication
+        if self.outer:
+            message["outer"] = [entry.to_message() for entry in self.outer]
         return message
+
+    def entry_for(self, lease: str) -> FenceHeader | None:
+        """The ``resume`` entry this header carries for ``lease``: its own or an outer one."""
+        if self.lease == lease:
+            return self if self.mode == "resume" else None
+        return next((entry for entry in self.outer if entry.lease == lease), None)
+
+    def passed_on(self, lease: str) -> tuple[FenceHeader, ...]:
+        """The entries a run on ``lease`` that received this header passes on as ``outer``: the
+        ``resume`` entries of every other lease, nearest first. Raises
+        :class:`ConfigurationError` past :data:`MAX_OUTER`."""
+        own = (replace(self, publication=None, outer=()),) if self.mode == "resume" else ()
+        entries = tuple(entry for entry in own + self.outer if entry.lease != lease)
+        if len(entries) > MAX_OUTER:
+            raise ConfigurationError(
+                f"a run on lease {lease} would pass on the headers of {len(entries)} other "
+                f"leases; at most {MAX_OUTER} travel with a message"
+            )
+        return entries
 
     @classmethod
     def from_message(cls, value: object) -> FenceHeader:
@@ -75,13 +106,11 @@ class FenceHeader:
                 holder=None,
             )
         try:
-            return cls(
-                lease=validation.check_name(value.get("lease")),
-                epoch=validation.check_epoch(value.get("epoch")),
-                holder=validation.check_holder(value.get("holder")),
-                mode=cast(Mode, validation.check_choice(value.get("mode"), "mode", get_args(Mode))),
-                proof=_check_proof(value.get("proof")),
+            header = cls._entry(value)
+            return replace(
+                header,
                 publication=_check_publication(value.get("publication")),
+                outer=_check_outer(value.get("outer"), header),
             )
         except ConfigurationError as exc:
             # What can be read is recorded with the rejection; anything a lease name or holder
@@ -91,6 +120,35 @@ class FenceHeader:
                 lease_name=validation.readable(validation.check_name, value.get("lease")),
                 holder=validation.readable(validation.check_holder, value.get("holder")),
             ) from exc
+
+    @classmethod
+    def _entry(cls, value: Mapping[str, Any]) -> FenceHeader:
+        return cls(
+            lease=validation.check_name(value.get("lease")),
+            epoch=validation.check_epoch(value.get("epoch")),
+            holder=validation.check_holder(value.get("holder")),
+            mode=cast(Mode, validation.check_choice(value.get("mode"), "mode", get_args(Mode))),
+            proof=_check_proof(value.get("proof")),
+        )
+
+
+def _check_outer(value: object, header: FenceHeader) -> tuple[FenceHeader, ...]:
+    """The ``outer`` entries: ``resume`` ones, each of another lease, at most MAX_OUTER."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or len(value) > MAX_OUTER:
+        raise ConfigurationError(f"outer must be a list of at most {MAX_OUTER} entries")
+    entries = []
+    leases = {header.lease}
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) - _ENTRY_FIELDS:
+            raise ConfigurationError(f"each outer entry has the fields {sorted(_ENTRY_FIELDS)}")
+        entry = FenceHeader._entry(item)
+        if entry.mode != "resume" or entry.lease in leases:
+            raise ConfigurationError("outer entries are resume entries, each of a lease of its own")
+        leases.add(entry.lease)
+        entries.append(entry)
+    return tuple(entries)
 
 
 def _check_proof(value: object) -> str:
