@@ -1328,7 +1328,11 @@ class LeaseStore:
         """Claim one schedule slot for dispatch under ``lease``, in a fenced transaction.
 
         True the first time a slot of ``entry`` is claimed for the lease's schedule, false ever
-        after, whoever asks; :class:`StaleEpochError` when ``lease`` no longer holds.
+        after, whoever asks; :class:`StaleEpochError` when ``lease`` no longer holds. The fence
+        check comes first, so that the claim's row lock and idle limit are in place before the
+        slot is written, and a claim kept waiting by another's uncommitted claim of the slot (a
+        paused former leader's) waits no longer than ``lock_timeout`` or the lease's time left:
+        then :class:`FenceDatabaseError`, and nothing is claimed.
         """
         params = {
             "schedule": lease.name,
@@ -1340,11 +1344,13 @@ class LeaseStore:
             "now": self._now(),
         }
         try:
-            with (
-                self.engine.begin() as conn,
-                self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"),
-            ):
-                claimed = self._run(_cursor(conn), "claim_slot", params)
+            with self.engine.begin() as conn:
+                with self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"):
+                    pass
+                cursor = _cursor(conn)
+                wait = max(min(self.lock_timeout, lease.remaining()), 0.001)
+                self._run(cursor, "bound_lock_wait", {"lock_timeout": wait})
+                claimed = self._run(cursor, "claim_slot", params)
         except self._driver_errors as exc:
             raise _wrap(exc) from exc
         return bool(claimed)

@@ -117,6 +117,9 @@ SELECT EXISTS (
 -- name: schema_version
 SELECT pg_catalog.max(version) AS version FROM celery_fence.migrations
 
+-- name: bound_lock_wait
+SELECT celery_fence.bound_lock_wait(pg_catalog.make_interval(secs => :lock_timeout))
+
 -- name: claim_slot
 INSERT INTO celery_fence.dispatches AS d (
     schedule, entry, slot, task, epoch, holder, dispatched_at

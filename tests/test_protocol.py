@@ -1164,7 +1164,9 @@ def _end_session(engine: Engine, pid: int) -> None:
     """End one backend as an administrator (or a failover) would, and wait until it is gone."""
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
-        deadline = time.monotonic() + 10
+        # A busy server (other sessions creating and dropping databases) can take seconds to
+        # see a backend out.
+        deadline = time.monotonic() + 30
         while conn.execute(
             sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}
         ).scalar_one():
@@ -1369,3 +1371,45 @@ def test_the_latest_dispatches_are_each_entrys_newest_slot_of_its_own_schedule(
         "hourly": (at + timedelta(minutes=1), "beat-a"),
     }
     assert store.latest_dispatches("scheduler:plans", []) == {}
+
+
+@pytest.mark.parametrize("claimant", ["the leader", "a stale former leader"])
+def test_a_claim_kept_waiting_by_an_uncommitted_claim_of_its_slot_gives_up(
+    engine: Engine, store: LeaseStore, claimant: str
+) -> None:
+    """Another session wrote the slot and stopped before committing (a former leader paused by
+    the OS mid-claim): the leader's claim of that slot waits at most ``lock_timeout``, then
+    fails, claiming nothing; a stale lease's claim is rejected by its check, which comes before
+    the write, without waiting at all."""
+    quick = LeaseStore(engine, lock_timeout=0.3)
+    former = held(store.acquire("scheduler:plans", holder="beat-a", ttl=30))
+    store.release(former)
+    leader = held(store.acquire("scheduler:plans", holder="beat-b", ttl=30))
+    lease = leader if claimant == "the leader" else former
+    slot = datetime(2030, 1, 1, 10, tzinfo=timezone.utc)
+    with engine.connect() as paused:
+        paused.execute(
+            sa.text(
+                "INSERT INTO celery_fence.dispatches"
+                " (schedule, entry, slot, task, epoch, holder, dispatched_at)"
+                " VALUES ('scheduler:plans', 'nightly', :slot, 't', 1, 'beat-a', now())"
+            ),
+            {"slot": slot},
+        )
+        with ThreadPoolExecutor(1) as pool:
+            claim = pool.submit(quick.claim_slot, lease, entry="nightly", slot=slot, task="t")
+            try:
+                # Not waiting for the paused session: the claim gives up by itself.
+                error = claim.exception(timeout=10)
+            finally:
+                paused.rollback()
+    if claimant == "the leader":
+        assert isinstance(error, FenceDatabaseError)
+        assert "lock" in str(error)
+        assert quick.dispatches("scheduler:plans") == []
+        assert quick.claim_slot(lease, entry="nightly", slot=slot, task="t")
+    else:
+        assert isinstance(error, StaleEpochError)
+        [stale] = store.stale_runs(lease_name="scheduler:plans")
+        assert (stale.stale_epoch, stale.current_epoch) == (1, 2)
+        assert quick.dispatches("scheduler:plans") == []

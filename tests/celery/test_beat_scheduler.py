@@ -20,6 +20,7 @@ from datetime import datetime, timedelta, timezone
 from zoneinfo import ZoneInfo
 
 import pytest
+import sqlalchemy as sa
 from celery import Celery, schedules
 from celery.beat import ScheduleEntry, Service
 from celery.schedules import crontab
@@ -147,6 +148,34 @@ def test_a_closed_scheduler_releases_its_lease_and_never_leads_again(
     assert owner is not None
     assert (owner.epoch, owner.state) == (1, "released")
     assert [entry.epoch for entry in store.history(beat.lease_name)] == [1]
+
+
+def test_a_release_that_failed_at_close_is_tried_again_at_the_next_close(
+    engine: Engine, store: LeaseStore, scheduler: NewScheduler
+) -> None:
+    """Beat closes its scheduler in its SIGTERM handler, which may interrupt a call of the
+    store's, and again once its loop ends: a first release that fails (here, the lease's row
+    locked past lock_timeout) leaves the lease to the second, not held until it expires."""
+    beat = scheduler()
+    beat.tick()
+    assert beat.lease is not None
+    with engine.connect() as blocker:
+        blocker.execute(
+            sa.text("SELECT 1 FROM celery_fence.leases WHERE name = :name FOR UPDATE"),
+            {"name": beat.lease_name},
+        )
+        beat.close()
+        blocker.rollback()
+    owner = store.owner(beat.lease_name)
+    assert owner is not None
+    assert owner.state == "held"
+
+    beat.close()
+
+    owner = store.owner(beat.lease_name)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "released")
+    assert beat.lease is None
 
 
 @contextmanager

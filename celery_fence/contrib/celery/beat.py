@@ -426,14 +426,20 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 
     def close(self) -> None:
+        """Stop leading and release the lease. Beat closes its scheduler twice on SIGTERM or
+        SIGINT: in the signal handler, which may interrupt a call of the store's, and once its
+        loop has ended: a release that failed the first time is tried again the second."""
         self._closed = True
         lease = self.lease
         if lease is not None:
-            self.lease = None
             try:
                 self.fence.store.release(lease)
             except (LeaseLostError, FenceDatabaseError) as exc:
                 log.warning("beat could not release %s on shutdown: %s", self.lease_name, exc)
+                if isinstance(exc, LeaseLostError):
+                    self.lease = None  # nothing left to release
+            else:
+                self.lease = None
         super().close()
 
     # -- internals --------------------------------------------------------------------------
