@@ -378,13 +378,39 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
     """Connect, say ``ready.<pid>`` in ``barrier``, then wait until ``barrier/go`` exists, so
     that several processes send their acquisitions at the same moment."""
     store.owner(name)  # opens the pooled connection now: the race itself is one round trip
-    (barrier / f"ready.{os.getpid()}").touch()
+    ready = barrier / f"ready.{os.getpid()}"
+    try:
+        ready.touch()
+    except OSError as exc:
+        raise BadInput(f"--start-barrier: cannot create {ready}: {exc.strerror or exc}") from exc
     go = barrier / "go"
     deadline = time.monotonic() + BARRIER_TIMEOUT
     while not go.exists():
         if time.monotonic() > deadline:
             raise CommandError(f"{go} did not appear within {BARRIER_TIMEOUT:g} s")
         time.sleep(0.001)
+
+
+def _check_acquisition(
+    store: LeaseStore,
+    name: str,
+    holder: str,
+    ttl: float,
+    max_hold: float | None,
+    purpose: str,
+    wait: float,
+) -> None:
+    """Refuse what ``store.acquire`` would refuse, for an acquisition that waits at a start
+    barrier first."""
+    validation.check_name(name)
+    validation.check_holder(holder)
+    seconds = validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
+    if max_hold is not None:
+        validation.check_max_hold(max_hold, seconds)
+    validation.check_text(
+        purpose, "purpose", max_length=validation.MAX_TEXT_LENGTH, allow_empty=True
+    )
+    validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
 
 
 @main.command()
@@ -406,7 +432,7 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 )
 @click.option(
     "--start-barrier",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    type=click.Path(exists=True, file_okay=False, writable=True, path_type=Path),
     metavar="DIR",
     help="Write DIR/ready.PID once connected, then wait for DIR/go before acquiring (races).",
 )
@@ -429,6 +455,7 @@ def acquire(
     """
     store = settings.store()
     if start_barrier is not None:
+        _check_acquisition(store, name, holder, ttl, max_hold, purpose, wait)
         _line_up(store, name, start_barrier)
     try:
         got = store.acquire(
@@ -482,6 +509,8 @@ def _read_identity(stream: IO[str]) -> dict[str, Any]:
         data = json.load(stream)
     except UnicodeDecodeError as exc:
         raise BadInput(f"--lease-json is not UTF-8 text: {exc}") from exc
+    except RecursionError as exc:
+        raise BadInput("--lease-json is nested too deeply to be a lease") from exc
     except ValueError as exc:  # not JSON, or an integer too long to read
         raise BadInput(f"--lease-json is not JSON: {exc}") from exc
     return _identity_from_json(data)
@@ -643,6 +672,8 @@ def _whoami() -> str:
 @click.pass_obj
 def pause(settings: Settings, name: str, reason: str, by: str, new: bool) -> None:
     """Stop lease NAME from being acquired or renewed; its holder's fenced writes are rejected."""
+    validation.check_text(reason, "reason", max_length=validation.MAX_TEXT_LENGTH)
+    validation.check_holder(by, "by (who pauses)")
     store = settings.store()
     if not new and store.owner(name) is None:
         raise CommandError(
@@ -704,6 +735,8 @@ def status(
     settings: Settings, name: str | None, environment_filter: str | None, as_json: bool
 ) -> None:
     """Show every lease (or lease NAME) and its owner."""
+    if environment_filter is not None:
+        validation.check_environment(environment_filter)
     _filter_note(environment_filter)
     store = settings.store()
     if name is None:

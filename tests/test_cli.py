@@ -269,6 +269,38 @@ def test_bad_input_is_one_line_and_writes_nothing(
     assert cli(database_url, "status").stdout == "no leases\n"
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--holder", "", "holder must not be empty"),
+        ("--ttl", "0", "ttl must be greater than 0"),
+        ("--max-hold", "1", "max_hold (1s) must be at least ttl"),
+        ("--purpose", " release", "purpose must not start or end with whitespace"),
+        ("--wait", "-1", "wait must be 0 or more seconds"),
+    ],
+)
+def test_an_acquisition_at_a_start_barrier_is_checked_before_it_lines_up(
+    tmp_path: Path, option: str, value: str, message: str
+) -> None:
+    flags = {"--holder": "a", "--ttl": "5", option: value}
+    args = [word for flag in flags.items() for word in flag]
+    # The database is unreachable: the input is refused before anything connects.
+    result = cli(UNREACHABLE, "acquire", "job", *args, "--start-barrier", str(tmp_path))
+    assert_error(result, ExitCode.USAGE, message)
+    assert list(tmp_path.iterdir()) == [], "nothing lined up"
+
+
+def test_a_start_barrier_it_cannot_write_in_is_one_line(
+    database_url: str, store: LeaseStore, tmp_path: Path
+) -> None:
+    # The ready file cannot be made: its name leads into a directory that does not exist.
+    ready = tmp_path / f"ready.{os.getpid()}"
+    ready.symlink_to(tmp_path / "gone" / "ready")
+    result = acquire(database_url, "job", "a", "--start-barrier", str(tmp_path))
+    assert_error(result, ExitCode.USAGE, f"--start-barrier: cannot create {ready}", "No such file")
+    assert store.owner("job") is None
+
+
 def test_verbose_logs_on_stderr(database_url: str) -> None:
     result = cli(database_url, "-v", "acquire", "job", "--holder", "a", "--ttl", "5")
     assert result.exit_code == ExitCode.OK
@@ -472,6 +504,11 @@ def test_a_lock_timeout_beyond_a_minute_is_bad_input(database_url: str) -> None:
         (("release", "--lease-json", "-"), '{"outcome": "held", "lease": null}', "holds no lease"),
         (("release", "--lease-json", "-"), '{"lease": {"name": "job"}}', "lacks environment"),
         (("release", "--lease-json", "-"), "{not json", "not JSON"),
+        (
+            ("release", "--lease-json", "-"),
+            '{"lease": ' + "[" * 1000 + "]" * 1000 + "}",
+            "--lease-json is nested too deeply to be a lease",
+        ),
         (("renew", "--lease-json", "-"), json.dumps({"lease": {**IDENTITY, "ttl": "x"}}), "ttl"),
         (
             ("renew", "--lease-json", "-"),
@@ -557,6 +594,22 @@ def test_pause_and_resume(database_url: str) -> None:
         False,
         None,
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("pause", "job", "--reason", ""), "reason must not be empty"),
+        (("pause", "job", "--reason", "audit "), "reason must not start or end with"),
+        (("pause", "job", "--reason", "audit", "--by", ""), "by (who pauses) must not be empty"),
+        (("status", "job", "--environment", ""), "environment must not be empty"),
+    ],
+)
+def test_pause_and_status_input_is_refused_before_any_sql(
+    args: tuple[str, ...], message: str
+) -> None:
+    # The database is unreachable: the input is refused before anything connects.
+    assert_error(cli(UNREACHABLE, *args), ExitCode.USAGE, message)
 
 
 def test_pause_defaults_by_to_user_at_host(database_url: str) -> None:
