@@ -61,6 +61,8 @@ class ExitCode(enum.IntEnum):
     canary. ``USAGE``: bad input (an option, an argument, the database URL). ``HELD``: acquire
     found another holder (``held``, or ``busy`` behind fenced writers). ``PAUSED``: acquire found
     the lease paused. ``LOST``: renew or release found the lease no longer this holder's.
+    ``BROKEN_PIPE``: the reader of stdout went away (as 128 + SIGPIPE, a shell's status for a
+    process that signal ended).
     """
 
     OK = 0
@@ -69,6 +71,7 @@ class ExitCode(enum.IntEnum):
     HELD = 3
     PAUSED = 4
     LOST = 5
+    BROKEN_PIPE = 141
 
 
 class CommandError(click.ClickException):
@@ -90,6 +93,23 @@ class PausedLease(CommandError):
 
 class LostLease(CommandError):
     exit_code = ExitCode.LOST
+
+
+class Unwritable(CommandError):
+    """Output that stdout would not take (closed, full)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"cannot write to stdout: {reason}")
+
+
+class ReaderGone(Unwritable):
+    """Output whose reader went away (a broken pipe, as in ``celery-fence status | head -1``):
+    it was not wanted, so no line on stderr, and exit 141."""
+
+    exit_code = ExitCode.BROKEN_PIPE
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        pass
 
 
 #: The libpq connection parameters an error message must not show.
@@ -200,9 +220,23 @@ def _json_value(value: object) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as JSON")
 
 
+def echo(text: str, *, nl: bool = True) -> None:
+    """Write ``text`` (and a newline) on stdout; raise :class:`Unwritable` if it cannot be."""
+    if sys.stdout is None:  # the process was started with its stdout closed
+        raise Unwritable("stdout is closed")
+    try:
+        click.echo(text, nl=nl)
+    except OSError as exc:
+        # What stdout still buffers goes to the null device, so that the interpreter's flush at
+        # exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        unwritable = ReaderGone if isinstance(exc, BrokenPipeError) else Unwritable
+        raise unwritable(exc.strerror or str(exc)) from exc
+
+
 def echo_json(data: object) -> None:
     """One JSON document on one line: datetimes in ISO 8601, UUIDs as strings."""
-    click.echo(json.dumps(data, default=_json_value))
+    echo(json.dumps(data, default=_json_value))
 
 
 def _without_token(answer: dict[str, Any]) -> dict[str, Any]:
@@ -256,15 +290,13 @@ def _report(
         echo_json([dataclasses.asdict(record) for record in records])
         return
     if not records:
-        click.echo(empty)
+        echo(empty)
         return
     rows = [[header for header, _ in columns]]
     rows += [[_cell(column(record)) for _, column in columns] for record in records]
     widths = [max(len(row[index]) for row in rows) for index in range(len(columns))]
     for row in rows:
-        click.echo(
-            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        )
+        echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
 def _exit(code: ExitCode) -> NoReturn:
@@ -323,7 +355,7 @@ def main(
     """PostgreSQL leases with fencing epochs for Celery.
 
     Exit codes: 0 ok, 1 error, 2 bad input, 3 lease held by another, 4 lease paused,
-    5 lease lost.
+    5 lease lost, 141 stdout's reader gone.
     """
     try:
         validation.check_lock_timeout(lock_timeout, "--lock-timeout")
@@ -365,10 +397,10 @@ def _route_logs(ctx: click.Context, verbose: bool) -> None:
 def install(settings: Settings, print_only: bool) -> None:
     """Create or upgrade the schema (idempotent) and print its version."""
     if print_only:
-        click.echo(LeaseStore.install_script(lock_timeout=settings.lock_timeout), nl=False)
+        echo(LeaseStore.install_script(lock_timeout=settings.lock_timeout), nl=False)
         return
     version = settings.store().install()
-    click.echo(f"celery-fence schema version {version}")
+    echo(f"celery-fence schema version {version}")
 
 
 # -- holding a lease ---------------------------------------------------------------------------
@@ -413,6 +445,19 @@ def _check_acquisition(
     validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
 
 
+def _given_back(store: LeaseStore, lease: Lease) -> str:
+    """Release (if it can) a lease whose token no one was told; say which it did."""
+    what = f"lease {lease.name} epoch {lease.epoch}"
+    try:
+        store.release(lease)
+    except FenceError as exc:
+        return (
+            f"{what} was won but could not be given back ({exc}): it is held until "
+            f"{_cell(lease.expires_at)}"
+        )
+    return f"{what} was won and given back, since no one has its token"
+
+
 @main.command()
 @click.argument("name")
 @click.option("--holder", required=True, help="Who acquires (e.g. beat@host-a).")
@@ -451,7 +496,8 @@ def acquire(
 
     The winner's answer carries the lease with its token (keep it: renew and release need it).
     A loser's answer carries the current owner, never a token. Exit 0 when acquired, 3 when
-    another holder has the lease, 4 when it is paused.
+    another holder has the lease, 4 when it is paused. An answer that cannot be written gives
+    the lease it won back, and exits 1.
     """
     store = settings.store()
     if start_barrier is not None:
@@ -463,7 +509,12 @@ def acquire(
         )
     except LeasePausedError as exc:
         got = Acquisition(outcome="paused", lease=None, owner=exc.owner)
-    echo_json(acquisition_dict(got))
+    try:
+        echo_json(acquisition_dict(got))
+    except Unwritable as exc:
+        if got.lease is None:
+            raise
+        raise CommandError(f"{exc.message}; {_given_back(store, got.lease)}") from exc
     if got.outcome == "paused":
         _exit(ExitCode.PAUSED)
     if not got.acquired:
@@ -974,24 +1025,21 @@ def race(settings: Settings, name: str, clients: int, ttl: float) -> list[RaceAn
 def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     """Race CLIENTS acquire processes on one expired lease and check the protocol held.
 
-    Takes the lease for 1 s, lets it expire, starts the clients together, prints each JSON
-    answer, and checks: exactly one winner, the epoch up by one, every loser told the winner.
-    Releases the lease each winner took, then prints "canary: OK", or fails with exit 1.
+    Takes the lease for 1 s, lets it expire, starts the clients together, and checks: exactly
+    one winner, the epoch up by one, every loser told the winner. Releases the lease each winner
+    took, prints each JSON answer, then "canary: OK", or fails with exit 1.
     """
     store = settings.store()
     # Checked as each racing client will check it, so that a bad TTL is refused before the seed.
     validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
     seed = _seed(store, name)
-    click.echo(
+    echo(
         f"canary: {seed.holder} holds {name} at epoch {seed.epoch} "
         f"for {CANARY_SEED_TTL:g} s; waiting"
     )
     _wait_until_free(store, name)
-    click.echo(f"canary: {name} expired; {clients} clients race for it")
+    echo(f"canary: {name} expired; {clients} clients race for it")
     answers = race(settings, name, clients, ttl)
-    for answer in answers:
-        if answer.answer is not None:
-            echo_json(_without_token(answer.answer))
     problems = race_problems(seed.epoch, answers, store.owner(name))
     winners = [a for a in answers if a.answer is not None and a.answer.get("acquired")]
     for won in winners:  # given back whatever the verdict: a failed race leaves no lease held
@@ -1002,10 +1050,13 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
             if not problems:
                 raise
             problems.append(f"giving back {won.holder}'s lease failed: {exc}")
+    for answer in answers:  # printed once no lease is held, should stdout fail
+        if answer.answer is not None:
+            echo_json(_without_token(answer.answer))
     if problems:
         raise CommandError("canary: FAILED: " + "; ".join(problems))
     (winner,) = winners
-    click.echo(
+    echo(
         f"canary: OK: {winner.holder} won epoch {seed.epoch + 1}; "
         f"{clients - 1} loser(s) named it as the owner; released"
     )

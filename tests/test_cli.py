@@ -8,6 +8,7 @@ import doctest
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -80,6 +81,32 @@ def acquire(
 
 def when(value: str) -> datetime:
     return datetime.fromisoformat(value)
+
+
+def run_with_stdout(url: str, stdout: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery-fence ARGS`` in a process of its own whose stdout is ``full`` (``/dev/full``),
+    ``closed``, or ``gone`` (a pipe whose reader has gone)."""
+    command = [sys.executable, "-m", "celery_fence.cli", *args]
+    env = {**os.environ, "CELERY_FENCE_DATABASE_URL": url}
+    env.pop("CELERY_FENCE_ENVIRONMENT", None)
+    if stdout == "closed":
+        command = ["bash", "-c", 'exec "$@" >&-', "bash", *command]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        with open("/dev/full", "w", encoding="utf-8") as full:
+            return subprocess.run(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout={"full": full.fileno(), "closed": None, "gone": write_end}[stdout],
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+    finally:
+        os.close(write_end)
 
 
 # -- install ---------------------------------------------------------------------------------
@@ -299,6 +326,32 @@ def test_a_start_barrier_it_cannot_write_in_is_one_line(
     result = acquire(database_url, "job", "a", "--start-barrier", str(tmp_path))
     assert_error(result, ExitCode.USAGE, f"--start-barrier: cannot create {ready}", "No such file")
     assert store.owner("job") is None
+
+
+@pytest.mark.parametrize("stdout", ["full", "closed", "gone"])
+def test_an_acquisition_whose_answer_cannot_be_written_gives_the_lease_back(
+    database_url: str, store: LeaseStore, stdout: str
+) -> None:
+    result = run_with_stdout(database_url, stdout, "acquire", "job", "--holder", "a", "--ttl", "30")
+    assert result.returncode == ExitCode.ERROR, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: cannot write to stdout: "), line
+    assert line.endswith("lease job epoch 1 was won and given back, since no one has its token")
+    owner = store.owner("job")
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.state) == ("a", 1, "released")
+
+
+def test_a_losers_answer_that_cannot_be_written_is_one_line(
+    database_url: str, store: LeaseStore
+) -> None:
+    acquire(database_url, "job", "a")
+    result = run_with_stdout(database_url, "full", "acquire", "job", "--holder", "b", "--ttl", "30")
+    assert result.returncode == ExitCode.ERROR, result.stderr
+    assert result.stderr == "Error: cannot write to stdout: No space left on device\n"
+    owner = store.owner("job")
+    assert owner is not None
+    assert (owner.holder, owner.state) == ("a", "held")
 
 
 def test_verbose_logs_on_stderr(database_url: str) -> None:
@@ -671,6 +724,30 @@ def test_status_table_json_and_filters(database_url: str) -> None:
         "no lease named b-lease in environment default",
     )
     assert_error(cli(database_url, "status", "ghost"), ExitCode.ERROR, "no lease named ghost")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("install", "--print"), ("status",), ("status", "--json"), ("history", "job")],
+    ids=" ".join,
+)
+def test_output_stdout_cannot_take_is_one_line(database_url: str, args: tuple[str, ...]) -> None:
+    acquire(database_url, "job", "a")
+    for stdout, reason in (("full", "No space left on device"), ("closed", "stdout is closed")):
+        result = run_with_stdout(database_url, stdout, *args)
+        assert (result.returncode, result.stderr) == (
+            ExitCode.ERROR,
+            f"Error: cannot write to stdout: {reason}\n",
+        )
+
+
+def test_output_whose_reader_has_gone_ends_quietly(database_url: str) -> None:
+    """As ``celery-fence status | head -1`` once head has read its line: no word, and the
+    status of a process that SIGPIPE ended."""
+    acquire(database_url, "job", "a")
+    result = run_with_stdout(database_url, "gone", "status")
+    assert (result.returncode, result.stderr) == (ExitCode.BROKEN_PIPE, "")
+    assert ExitCode.BROKEN_PIPE == 128 + signal.SIGPIPE
 
 
 def test_history(database_url: str) -> None:
