@@ -51,6 +51,9 @@ _UNKNOWN_TIME = datetime.min.replace(tzinfo=timezone.utc)
 _IDENTITY = ("name", "environment", "holder", "epoch", "token", "ttl")
 CANARY_SEED_HOLDER = "canary-seed"
 CANARY_SEED_TTL = 1.0
+#: The shortest TTL the canary's clients ask for: the race, the answers and the release of the
+#: winner's lease must all fall within it.
+CANARY_MIN_TTL = 5.0
 BARRIER_TIMEOUT = 60.0
 
 
@@ -1016,10 +1019,10 @@ def race(settings: Settings, name: str, clients: int, ttl: float) -> list[RaceAn
 @click.option("--name", default="canary", show_default=True, help="The lease to race on.")
 @click.option(
     "--ttl",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=CANARY_MIN_TTL),
     default=30.0,
     show_default=True,
-    help="TTL the racing clients ask for.",
+    help=f"TTL the racing clients ask for (at least {CANARY_MIN_TTL:g}).",
 )
 @click.pass_obj
 def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:

@@ -950,6 +950,17 @@ def test_a_canary_ttl_the_clients_would_refuse_is_bad_input_before_the_seed(
     assert store.owner("canary") is None
 
 
+def test_a_canary_ttl_below_its_floor_is_bad_input_before_the_seed(
+    database_url: str, store: LeaseStore
+) -> None:
+    """A shorter TTL could run out before the race is over: a late client would win again."""
+    result = cli(database_url, "canary", "--ttl", "1")
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Error: Invalid value for '--ttl': 1.0 is not in the range x>=5." in result.stderr
+    assert result.stdout == ""
+    assert store.owner("canary") is None
+
+
 def _owner(holder: str, epoch: int) -> Owner:
     moment = datetime(2030, 1, 1, tzinfo=timezone.utc)
     return Owner(
