@@ -696,10 +696,16 @@ def release(
     Exit 5 with the reason and the current owner when the lease is no longer this holder's.
     """
     lease = _lease_from_options(settings, name, epoch, token, holder, lease_json, None)
+    store = settings.store()
+    # A release is of the token, whatever holder it names: the answer names the lease's own, the
+    # owner's when the release began (the token was granted before, and an epoch that has passed
+    # is never released, so a release that succeeds is of the epoch that owner holds).
+    owner = store.owner(lease.name)
     with _lost_answer():
-        outcome = settings.store().release(lease)
+        outcome = store.release(lease)
+    assert owner is not None  # the release succeeded: the lease exists
     echo_json(
-        {"outcome": outcome, "name": lease.name, "epoch": lease.epoch, "holder": lease.holder}
+        {"outcome": outcome, "name": lease.name, "epoch": lease.epoch, "holder": owner.holder}
     )
 
 

@@ -426,6 +426,15 @@ def test_renew_and_release_read_the_lease_from_json(database_url: str, tmp_path:
     assert (successor["acquired"], successor["lease"]["epoch"]) == (True, 2)
 
 
+def test_a_release_names_the_leases_holder_not_the_one_it_was_given(database_url: str) -> None:
+    """A release is of the token: one that names another holder releases the lease all the
+    same, and its answer names the lease's own holder."""
+    lease = answer(acquire(database_url, "job", "a"))["lease"]
+    result = cli(database_url, "release", *holder_flags({**lease, "holder": "someone-else"}))
+    assert result.exit_code == ExitCode.OK, result.stderr
+    assert answer(result) == {"outcome": "released", "name": "job", "epoch": 1, "holder": "a"}
+
+
 def test_a_sharer_releasing_a_shared_lease_only_leaves_it(
     database_url: str, store: LeaseStore
 ) -> None:
