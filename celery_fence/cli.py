@@ -272,13 +272,15 @@ def acquisition_dict(got: Acquisition) -> dict[str, Any]:
 
 
 def _cell(value: object) -> str:
+    """``value`` as a table shows it; a character that is not printable is escaped as in a
+    Python string (``\\n``, ``\\x1b``), so that no value can break a row or drive the terminal."""
     if value is None or value == "":
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, datetime):
         return value.isoformat(timespec="seconds")
-    return str(value)
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(value))
 
 
 def _report(

@@ -20,6 +20,7 @@ from typing import Any
 
 import click
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import make_url
 
@@ -733,6 +734,24 @@ def test_status_table_json_and_filters(database_url: str) -> None:
         "no lease named b-lease in environment default",
     )
     assert_error(cli(database_url, "status", "ghost"), ExitCode.ERROR, "no lease named ghost")
+
+
+def test_a_table_escapes_what_is_not_printable(database_url: str, store: LeaseStore) -> None:
+    """The store refuses such text, but the SQL functions take any: a table shows it escaped, so
+    that it cannot break a row or drive the terminal."""
+    acquire(database_url, "job", "a")
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("SELECT celery_fence.pause('job', :reason, :by)"),
+            {"reason": "line\nbreak\x1b[2J", "by": "ops\tx"},
+        )
+    result = cli(database_url, "status")
+    assert result.exit_code == ExitCode.OK, result.stderr
+    _, row = result.stdout.splitlines()
+    assert row.endswith("by ops\\tx: line\\nbreak\\x1b[2J")
+    assert row.isprintable()
+    paused = answer(cli(database_url, "status", "--json"))[0]
+    assert paused["paused_reason"] == "line\nbreak\x1b[2J", "JSON keeps the text as it is"
 
 
 @pytest.mark.parametrize(
