@@ -428,28 +428,6 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
         time.sleep(0.001)
 
 
-def _check_acquisition(
-    store: LeaseStore,
-    name: str,
-    holder: str,
-    ttl: float,
-    max_hold: float | None,
-    purpose: str,
-    wait: float,
-) -> None:
-    """Refuse what ``store.acquire`` would refuse, for an acquisition that waits at a start
-    barrier first."""
-    validation.check_name(name)
-    validation.check_holder(holder)
-    seconds = validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
-    if max_hold is not None:
-        validation.check_max_hold(max_hold, seconds)
-    validation.check_text(
-        purpose, "purpose", max_length=validation.MAX_TEXT_LENGTH, allow_empty=True
-    )
-    validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
-
-
 def _given_back(store: LeaseStore, lease: Lease) -> str:
     """Release (if it can) a lease whose token no one was told; say which it did."""
     what = f"lease {lease.name} epoch {lease.epoch}"
@@ -506,7 +484,10 @@ def acquire(
     """
     store = settings.store()
     if start_barrier is not None:
-        _check_acquisition(store, name, holder, ttl, max_hold, purpose, wait)
+        # Refused now, not once every client lined up.
+        store.check_acquisition(
+            name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose, wait=wait
+        )
         _line_up(store, name, start_barrier)
     try:
         got = store.acquire(

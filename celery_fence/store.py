@@ -746,6 +746,34 @@ class LeaseStore:
         and it looks again when the owner's lease runs out by the database clock, and at least
         every ``RECHECK_INTERVAL`` seconds.
         """
+        params, wait = self.check_acquisition(
+            name,
+            holder=holder,
+            ttl=ttl,
+            environment=environment,
+            max_hold=max_hold,
+            purpose=purpose,
+            wait=wait,
+        )
+        if wait:
+            return self._acquire_waiting(params, params["ttl"], time.monotonic() + wait)
+        return self._acquire_once(params, params["ttl"])[0]
+
+    def check_acquisition(
+        self,
+        name: str,
+        *,
+        holder: str,
+        ttl: float,
+        environment: str | None = None,
+        max_hold: float | None = None,
+        purpose: str = "",
+        wait: float = 0,
+    ) -> tuple[dict[str, Any], float]:
+        """Check :meth:`acquire`'s arguments without reaching the database, raising
+        :class:`ConfigurationError` for what it would refuse (for a caller that waits before it
+        acquires, as ``celery-fence acquire --start-barrier`` does): the call's parameters and
+        its ``wait``."""
         ttl_seconds = self._ttl(ttl)
         params = {
             "name": validation.check_name(name),
@@ -760,9 +788,7 @@ class LeaseStore:
             "now": self._now(),
         }
         wait = validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
-        if wait:
-            return self._acquire_waiting(params, ttl_seconds, time.monotonic() + wait)
-        return self._acquire_once(params, ttl_seconds)[0]
+        return params, wait
 
     def _acquire_once(
         self, params: Mapping[str, Any], ttl_seconds: float
