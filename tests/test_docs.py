@@ -661,6 +661,27 @@ def test_every_page_is_reachable_from_the_index() -> None:
     assert not orphans, f"pages no link from index.md leads to: {orphans}"
 
 
+# -- tables ------------------------------------------------------------------------------------
+
+_TABLE_DELIMITER = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+
+
+def test_every_table_has_a_header_and_a_delimiter_row() -> None:
+    """A run of ``|`` lines renders as a table only under a header and a delimiter row: a row
+    set apart from its table by a blank line shows as text."""
+    broken = []
+    for page in pages():
+        rows: list[str] = []
+        for line in [*_outside_fences(page), ""]:
+            if line.startswith("|"):
+                rows.append(line)
+                continue
+            if rows and (len(rows) < 2 or not _TABLE_DELIMITER.match(rows[1])):
+                broken.append(f"{page.relative_to(DOCS)}: {rows[0]}")
+            rows = []
+    assert not broken, "\n".join(broken)
+
+
 # -- the reference names everything ------------------------------------------------------------
 
 
