@@ -94,8 +94,14 @@ def test_defaults_and_enforcement_per_environment() -> None:
         ),
         pytest.param(
             {"fence_default_ttl": 7200},
-            r"fence_default_ttl must be at most 3600",
+            r"^fence_default_ttl must be at most 3600 seconds \(the fence_max_ttl setting\), "
+            r"got 7200$",
             id="ttl above max ttl",
+        ),
+        pytest.param(
+            {"fence_max_ttl": 10, "fence_default_ttl": 5},
+            r"^fence_beat_ttl must be at most 10 seconds \(the fence_max_ttl setting\), got 15.0$",
+            id="beat ttl above max ttl",
         ),
         pytest.param(
             {"fence_max_hold": 10},
@@ -174,8 +180,14 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
         pytest.param(
             {"fence_max_ttl": 60},
             {"ttl": 120},
-            r"ttl must be at most 60 seconds",
+            r" ttl must be at most 60 seconds \(the fence_max_ttl setting\), got 120.0$",
             id="task ttl over fence_max_ttl",
+        ),
+        pytest.param(
+            {"fence_max_ttl": 60},
+            {"min_hold": 120},
+            r" min_hold must be at most 60 seconds \(the fence_max_ttl setting\), got 120.0$",
+            id="task min hold over fence_max_ttl",
         ),
         pytest.param(
             {"fence_max_hold": 45},

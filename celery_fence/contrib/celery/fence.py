@@ -899,12 +899,14 @@ class FencedTask(Task):  # type: ignore[misc]
             self.lease_ttl(settings),
             f"{self.name} ttl",
             maximum=settings.max_ttl,
+            limit="fence_max_ttl",
         )
         self.renew_interval(settings, ttl)
         taken_for = validation.check_seconds(
             self.acquisition_ttl(settings),
             f"{self.name} min_hold",
             maximum=settings.max_ttl,
+            limit="fence_max_ttl",
         )
         max_hold = self.fence_max_hold or settings.max_hold
         if max_hold is None:

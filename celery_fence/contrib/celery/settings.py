@@ -118,7 +118,7 @@ class FenceSettings:
         )
         safety_margin = validation.check_fraction(get("fence_safety_margin"), "fence_safety_margin")
         default_ttl = validation.check_seconds(
-            get("fence_default_ttl"), "fence_default_ttl", maximum=max_ttl
+            get("fence_default_ttl"), "fence_default_ttl", maximum=max_ttl, limit="fence_max_ttl"
         )
         max_hold = get("fence_max_hold")
         if max_hold is not None:
@@ -134,7 +134,7 @@ class FenceSettings:
             interval_name="fence_renew_interval",
         )
         beat_ttl = validation.check_seconds(
-            get("fence_beat_ttl"), "fence_beat_ttl", maximum=max_ttl
+            get("fence_beat_ttl"), "fence_beat_ttl", maximum=max_ttl, limit="fence_max_ttl"
         )
         beat_renew = check_timing(
             beat_ttl,
