@@ -40,6 +40,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import doctest
+import importlib
 import inspect
 import os
 import re
@@ -65,7 +66,7 @@ from sqlalchemy.orm import Session
 import celery_fence
 import celery_fence.contrib.celery as fence_celery
 from celery_fence import LeaseStore, models
-from celery_fence.contrib.celery import Fence, FencedRun
+from celery_fence.contrib.celery import Fence, FencedRun, FenceSettings
 from celery_fence.contrib.celery.beat import FencedScheduler
 from celery_fence.contrib.celery.settings import DEFAULTS
 
@@ -725,7 +726,7 @@ def _parameters(function: Any) -> list[str]:
 
 def _public_api() -> dict[str, list[str]]:
     """Every public name; for the classes a user calls or reads, their public methods and
-    properties, the parameters of each, and the fields of each model."""
+    properties, the parameters of each, and the fields of each model and of the settings."""
     names: dict[str, list[str]] = {
         name: [] for name in [*celery_fence.__all__, *fence_celery.__all__]
     }
@@ -747,6 +748,7 @@ def _public_api() -> dict[str, list[str]]:
         models.StaleRun,
         models.HistoryEntry,
         models.Dispatch,
+        FenceSettings,
     ):
         names[model.__name__] = [field.name for field in dataclasses.fields(model)]
     return names
@@ -761,6 +763,67 @@ def test_the_api_reference_names_every_public_name() -> None:
         if not _named(text, name)
     ]
     assert not missing, missing
+
+
+def _defined_names() -> set[str]:
+    """The names the package's modules define at their top level."""
+    names = set()
+    for path in Path(celery_fence.__file__).parent.rglob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(target.id for target in targets if isinstance(target, ast.Name))
+    return names
+
+
+def _api_names() -> Iterator[tuple[str, str, bool]]:
+    """The classes and constants ``api.md`` names, as ``(module, name, written with it)``: the
+    module the text writes a name with, else the one of its section (the package in its ``##``
+    heading, or the module a ``###`` section opens with, as ``celery_fence.keeper.LeaseKeeper``
+    does: its heading's names are that module's too)."""
+    section = module = ""
+    heading: str | None = None
+    for line in _outside_fences(DOCS / "reference" / "api.md"):
+        if line.startswith("## "):
+            section = module = re.findall(r"`([\w.]+)`", line)[0]
+        elif line.startswith("### "):
+            heading = line
+            continue
+        elif heading is not None and line.strip():
+            opening = re.match(r"`(celery_fence(?:\.\w+)*)\.[A-Z]", line)
+            module = opening[1] if opening else section
+            line, heading = f"{heading}\n{line}", None
+        elif not section:
+            continue  # the page's introduction, which names what the sections hold
+        for code in re.findall(r"`([\w.]+)", line):
+            qualified = re.fullmatch(r"(celery_fence(?:\.\w+)*)\.([A-Z]\w*).*", code)
+            if qualified:
+                yield qualified[1], qualified[2], True
+            elif code[:1].isupper():
+                yield module, code.split(".")[0], False
+
+
+def test_every_name_the_api_reference_names_is_importable_from_where_it_says() -> None:
+    """A class or constant written with its module is importable from that module. One of
+    this package's written without is importable from its section's module, or from another
+    the page has a section for (``Fence`` named in the core's section, say); other libraries'
+    names (``Engine``, ``ChordError``) are left out."""
+    names = list(_api_names())
+    sections = {module: None for module, _, written_with_it in names if not written_with_it}
+    defined = _defined_names()
+    wrong = []
+    for module, name, written_with_it in names:
+        if written_with_it:
+            places = [module]
+        elif name in defined:
+            places = list(dict.fromkeys([module, *sections]))
+        else:
+            continue
+        if not any(hasattr(importlib.import_module(place), name) for place in places):
+            wrong.append(f"{name} (from {' or '.join(places)})")
+    assert not wrong, sorted(set(wrong))
 
 
 def _sql_objects() -> dict[str, list[str]]:

@@ -14,7 +14,7 @@ def publish(self, environment, release_id):
 """
 
 from .fence import REJECTED, SKIPPED, Fence, FencedRun, FencedTask, current_run
-from .headers import HEADER, FenceHeader
+from .headers import HEADER, FenceHeader, MalformedHeaderError
 from .settings import FenceSettings
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "FenceSettings",
     "FencedRun",
     "FencedTask",
+    "MalformedHeaderError",
     "current_run",
 ]
