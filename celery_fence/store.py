@@ -1689,10 +1689,24 @@ class LeaseStore:
     def _report(self, **fields: Any) -> None:
         """Log and count one rejection; ``fields`` are a stale-run record's columns."""
         self.metrics.incr(f"rejected.{fields['reason']}")
+        verdict = "rejected" if fields["enforced"] else "would be rejected (shadow mode)"
+        if fields["reason"] == "malformed":
+            # A header that could not be read has no epoch to tell; record_stale_run, the only
+            # call that reports one, has recorded it by now.
+            stale_log.warning(
+                "stale %s %s: malformed celery_fence header for lease %s from holder %s, "
+                "recorded as a stale run",
+                fields["action"],
+                verdict,
+                fields["lease_name"],
+                fields["stale_holder"],
+                extra=fields,
+            )
+            return
         stale_log.warning(
             "stale %s %s: lease %s epoch %s held by %s is %s (current epoch %s, holder %s)",
             fields["action"],
-            "rejected" if fields["enforced"] else "would be rejected (shadow mode)",
+            verdict,
             fields["lease_name"],
             fields["stale_epoch"],
             fields["stale_holder"],

@@ -287,6 +287,32 @@ def test_a_stale_run_is_recorded_and_logged_in_the_leases_environment_else_the_c
     assert runs[1].current_epoch is None
 
 
+@pytest.mark.parametrize(
+    ("enforced", "verdict"), [(True, "rejected"), (False, "would be rejected (shadow mode)")]
+)
+def test_a_malformed_header_is_logged_as_such_and_as_recorded(
+    store: LeaseStore, caplog: pytest.LogCaptureFixture, enforced: bool, verdict: str
+) -> None:
+    """A header that cannot be read gives no epoch to tell: its line names what was rejected
+    and says that it was recorded."""
+    with caplog.at_level(logging.WARNING, "celery_fence.stale"):
+        record = store.record_stale_run(
+            NAME,
+            epoch=None,
+            holder="(unreadable)",
+            reason="malformed",
+            action="start publish",
+            enforced=enforced,
+        )
+    [logged] = [record for record in caplog.records if record.name == "celery_fence.stale"]
+    assert logged.getMessage() == (
+        f"stale start publish {verdict}: malformed celery_fence header for lease {NAME} from "
+        "holder (unreadable), recorded as a stale run"
+    )
+    assert (logged.reason, logged.stale_epoch, logged.enforced) == ("malformed", None, enforced)
+    assert store.stale_runs() == [record]
+
+
 def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over_once_lapsed(
     fake_store: LeaseStore, frozen: FrozenDateTimeFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
