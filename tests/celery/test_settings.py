@@ -6,6 +6,7 @@ lease is taken; a worker with such a configuration does not start.
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from celery import Celery
 
 from celery_fence import ConfigurationError, LeaseStore, SchemaNotInstalledError
 from celery_fence.contrib.celery import Fence, FenceSettings
+from celery_fence.contrib.celery.beat import FencedScheduler
 
 if TYPE_CHECKING:
     from conftest import StartWorker
@@ -330,6 +332,36 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
     else:
         assert line.startswith(f"Error: {name} not started: {said}")
     assert (result.stderr == "") == ("--logfile" in command)
+
+
+#: A database no server answers at, with a password in the URL and in its parameters.
+UNREACHABLE = "postgresql://postgres:s3cret@127.0.0.1:1/app?password=s3cret&connect_timeout=2"
+
+
+def test_a_worker_refuses_to_start_without_its_database_naming_it_and_a_beat_stands_by(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker whose database does not answer when it starts exits 1, saying which database
+    (without its password); a beat starts on standby and takes the lease once it answers."""
+    result = run_refused(
+        tmp_path, UNREACHABLE, 30, "-m", "celery", "-A", "refused", "worker", "-P", "solo"
+    )
+    assert "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if "worker not started: " in line]
+    assert line.startswith("Error: worker not started: database error: connection failed: ")
+    assert line.endswith(" [database postgresql+psycopg://postgres:***@127.0.0.1:1/app]")
+    assert "s3cret" not in result.stderr
+
+    app = Celery("beat-unreachable", set_as_current=False)
+    app.conf.update(broker_url="memory://", fence_database_url=UNREACHABLE)
+    caplog.set_level(logging.WARNING, "celery_fence")
+    beat = FencedScheduler(app=app, lazy=False)
+    try:
+        assert (beat.lease, beat.halted) == (None, None)
+        assert f"beat on standby for {beat.lease_name}: database unavailable: " in caplog.text
+    finally:
+        beat.close()
+        app.close()
 
 
 def test_a_worker_started_from_python_refuses_to_start_in_one_line(

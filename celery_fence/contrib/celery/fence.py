@@ -28,6 +28,7 @@ from celery.utils.log import LoggingProxy
 from celery_fence import validation
 from celery_fence.exceptions import (
     ConfigurationError,
+    FenceDatabaseError,
     FenceError,
     LeaseBusyError,
     LeaseError,
@@ -289,13 +290,19 @@ class Fence:
     def check_startup(self, *, time_limit: float | None = None) -> None:
         """Validate settings and fenced tasks, and check the schema answers. Called at worker
         start, with the worker's time limit (``time_limit``); raises
-        :class:`ConfigurationError` or a database error naming the problem."""
+        :class:`ConfigurationError` or a database error naming the problem and the database
+        (its URL without password or parameters)."""
         settings = self.settings
         # Every fenced task of the app, also one declared on an earlier Fence of it.
         for task in self.app.tasks.values():
             if isinstance(task, FencedTask):
                 task.check_timing(settings, time_limit)
-        self.store.check_schema()
+        try:
+            self.store.check_schema()
+        except FenceDatabaseError as exc:
+            # The parameters may hold a password (libpq's password=): they are left out.
+            url = self.store.engine.url.set(query={}).render_as_string(hide_password=True)
+            raise type(exc)(f"{exc} [database {url}]") from exc.__cause__
         log.info(
             "celery-fence ready: environment %s, enforcement %s",
             settings.environment,
