@@ -478,6 +478,36 @@ def test_page_runs_as_written(
         run.close()
 
 
+README = ROOT / "README.md"
+#: The database URL of the README's example, which the test replaces with its own.
+README_URL = '"postgresql://postgres@127.0.0.1:5432/app"'
+
+
+def test_the_readme_example_publishes_under_its_epoch(database_url: str) -> None:
+    """The README's task, on a database of its own with the table the README creates: each run
+    writes the manifest, at its own epoch."""
+    python, sql = (
+        next(block.body for block in blocks(README) if block.language == language)
+        for language in ("python", "sql")
+    )
+    assert README_URL in python
+    namespace: dict[str, Any] = {"__name__": "__readme__"}
+    exec(compile(python.replace(README_URL, repr(database_url)), str(README), "exec"), namespace)
+    try:
+        engine = namespace["fence"].store.engine
+        with engine.begin() as conn:
+            conn.exec_driver_sql(sql)
+        publish = namespace["publish"]
+        assert publish.apply(args=("prod", "r-41", 41)).get() == 1
+        assert publish.apply(args=("prod", "r-42", 42)).get() == 2
+        with engine.connect() as conn:
+            written = conn.exec_driver_sql("SELECT release_id, build, epoch FROM manifests").all()
+        assert [tuple(row) for row in written] == [("r-42", 42, 2)]
+    finally:
+        for value in namespace.values():
+            _close(value)
+
+
 def test_the_docs_have_runnable_pages() -> None:
     """The page runner has something to run: the quickstart and the how-tos at least."""
     names = {page.relative_to(DOCS).as_posix() for page in RUNNABLE}
