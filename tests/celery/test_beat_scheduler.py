@@ -30,7 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine, make_url
 
-from celery_fence import LeaseStore, SchemaNotInstalledError, validation
+from celery_fence import ConfigurationError, LeaseStore, SchemaNotInstalledError, validation
 from celery_fence.contrib.celery import HEADER, Fence
 from celery_fence.contrib.celery.beat import FencedScheduler, slot_of
 
@@ -83,6 +83,30 @@ def test_beat_refuses_to_start_without_the_schema(empty_database_url: str) -> No
     finally:
         fence.store.dispose()
         app.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        (" plan", "must not start or end with whitespace"),
+        ("plan\t", "must be printable text"),
+        ("p" * (validation.MAX_ENTRY_LENGTH + 1), "must be at most 454 characters"),
+    ],
+    ids=["leading space", "tab", "too long"],
+)
+def test_beat_refuses_to_start_with_an_entry_name_no_slot_can_be_claimed_for(
+    app: Celery, store: LeaseStore, name: str, said: str
+) -> None:
+    """Such an entry would never be sent: its every slot's claim is refused."""
+    app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": PERIOD},
+        name: {"task": "example.plan_retention", "schedule": PERIOD},
+    }
+    with pytest.raises(ConfigurationError, match=f"^beat_schedule entry {re.escape(repr(name))}"):
+        FencedScheduler(app=app, lazy=False)
+    with pytest.raises(ConfigurationError, match=said):
+        FencedScheduler(app=app, lazy=False)
+    assert store.leases() == []
 
 
 def make_due(scheduler: FencedScheduler) -> ScheduleEntry:
@@ -571,16 +595,12 @@ def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
 
 
 def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(clocked_app: Celery) -> None:
-    """Two crontab entries, and one whose name is too long for a slot to be claimed for it: the
-    leader sends 10:00, 10:02 and 10:04 of the first and 10:01 of the second, and stops at
-    10:05:59. Taking over at 10:07:10, the standby sends each entry's 10:06 occurrence, counted
-    from the slots claimed for that entry; the entry no slot can be claimed for is not read, and
-    does not keep the others from being read."""
-    unclaimable = "e" * (validation.MAX_ENTRY_LENGTH + 1)
+    """Two crontab entries: the leader sends 10:00, 10:02 and 10:04 of the first and 10:01 of
+    the second, and stops at 10:05:59. Taking over at 10:07:10, the standby sends each entry's
+    10:06 occurrence, counted from the slots claimed for that entry."""
     clocked_app.conf.beat_schedule = {
         ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")},
         "report": {"task": "example.report", "schedule": crontab("1,6")},
-        unclaimable: {"task": "example.report", "schedule": crontab("0", "0", month_of_year="1")},
     }
     sent = fail_over(
         clocked_app,

@@ -211,8 +211,15 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         return f"celery beat, schedule {schedule_digest(self.schedule.values())}"
 
     def setup_schedule(self) -> None:
-        """The schedule, on the grid of its slots (see :meth:`_catch_up`)."""
+        """The schedule, on the grid of its slots (see :meth:`_catch_up`). Beat refuses to start
+        with an entry whose name no slot can be claimed for (see :func:`validation.check_entry`):
+        it could never be sent."""
         super().setup_schedule()
+        for name in self.schedule:
+            try:
+                validation.check_entry(name)
+            except ConfigurationError as exc:
+                refuse_start("beat", ConfigurationError(f"beat_schedule entry {name!r}: {exc}"))
         self._schedule_read = True
         self._catch_up()
 
@@ -238,9 +245,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         crontabs = [
             entry
             for entry in self.schedule.values()
-            # An entry no slot can be claimed for is left out: its dispatch says so.
             if isinstance(entry.schedule, schedules.crontab)
-            and validation.readable(validation.check_entry, entry.name) is not None
         ]
         try:
             latest = self.fence.store.latest_dispatches(
