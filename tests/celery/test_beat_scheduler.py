@@ -500,6 +500,42 @@ def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
     assert len(queued(clocked_app)) == 5
 
 
+@pytest.mark.parametrize(
+    ("every", "slots"),
+    [
+        (schedules.schedule(timedelta(seconds=0.5)), ["10:00:03", "10:00:04", "10:00:05"]),
+        # Celery rounds a relative period's end to its resolution (90 minutes: to the hour), so
+        # it finds the 09:00 slot due at 10:00, too late to be sent (past half its period).
+        (schedules.schedule(timedelta(minutes=90), relative=True), ["10:30:00"]),
+    ],
+    ids=["half a second", "relative"],
+)
+def test_an_interval_entry_is_not_due_again_within_the_slot_it_was_sent_for(
+    clocked_app: Celery,
+    fake_store: LeaseStore,
+    caplog: pytest.LogCaptureFixture,
+    every: schedules.schedule,
+    slots: list[str],
+) -> None:
+    """Each slot goes out once, and no tick asks to claim a slot already sent (which the claim
+    would refuse, logging it)."""
+    caplog.set_level(logging.INFO, "celery_fence")
+    clocked_app.conf.beat_schedule = {ENTRY: {"task": "example.plan_retention", "schedule": every}}
+    start = "10:00:03" if every.run_every < timedelta(seconds=1) else "10:29:58"
+    with freeze_time(f"2030-01-01T{start}+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            for _ in range(6):
+                beat.tick()
+                frozen.tick(0.5)
+        finally:
+            beat.close()
+    sent = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
+    assert sent == slots
+    assert "already dispatched" not in caplog.text
+    assert len(queued(clocked_app)) == len(slots)
+
+
 def test_a_standby_that_takes_over_sends_the_slot_that_began_while_nobody_led(
     clocked_app: Celery, fake_store: LeaseStore
 ) -> None:

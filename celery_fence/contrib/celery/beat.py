@@ -267,11 +267,15 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
-        next slot starts, not a period from now."""
+        next slot starts, not a period from now, and is never due again within the slot it was
+        last sent for: a period shorter than a slot's second, or a ``relative`` one (which
+        Celery rounds), would otherwise come due again for a slot already claimed."""
         due, next_time = super().is_due(entry)
         if due and isinstance(entry.schedule, schedules.schedule):
             now = datetime.now(timezone.utc)
-            next_time = _slot_seconds(entry) - (now - slot_of(entry, now)).total_seconds()
+            start = slot_of(entry, now)
+            next_time = _slot_seconds(entry) - (now - start).total_seconds()
+            due = start > entry.schedule.maybe_make_aware(entry.last_run_at)
         return bool(due), float(next_time)
 
     def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
