@@ -68,7 +68,8 @@ def milliseconds(seconds: float) -> str:
 @cache
 def install_script(lock_timeout: float) -> str:
     """One idempotent script, for one transaction: bootstrap, each pending migration once,
-    then the functions. Once it holds the install lock (concurrent installs wait for each
+    then the functions; on a schema newer than this package's migrations it raises and changes
+    nothing. Once it holds the install lock (concurrent installs wait for each
     other, whatever the role's own lock timeout), each lock it takes waits at most
     ``lock_timeout`` seconds: a migration that must lock a table the fleet is using fails
     instead of queueing the fleet's calls behind it. Names resolve in ``pg_catalog`` only, so
@@ -85,6 +86,15 @@ def install_script(lock_timeout: float) -> str:
         f"SELECT pg_advisory_xact_lock({INSTALL_LOCK_KEY});",
         f"SET LOCAL lock_timeout = '{milliseconds(lock_timeout)}';",
         read("bootstrap.sql").strip(),
+        # A schema that a newer package upgraded is left alone: its tables may not fit the
+        # functions below, which would replace that package's.
+        f"DO $celery_fence_install$\nDECLARE\n"
+        f"    v_version integer := (SELECT max(version) FROM celery_fence.migrations);\n"
+        f"BEGIN\n    IF v_version > {latest_version()} THEN\n"
+        f"        RAISE EXCEPTION 'celery_fence: the schema is at version %, newer than this "
+        f"package''s latest ({latest_version()}); nothing was changed: install with the "
+        f"celery-fence that upgraded it, or a newer one', v_version;\n"
+        f"    END IF;\nEND\n$celery_fence_install$;",
     ]
     for migration in migrations():
         lines.append(

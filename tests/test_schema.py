@@ -596,6 +596,37 @@ def test_an_install_kept_waiting_for_a_lock_changes_nothing_and_says_so(
     assert migrations_applied(empty_database_url) == expected_migrations()
 
 
+def test_install_on_a_schema_a_newer_package_upgraded_changes_nothing_and_says_so(
+    empty_database_url: str,
+) -> None:
+    install(empty_database_url)
+    newer = _sql.latest_version() + 1
+    engine = sa.create_engine(
+        libpq_url(empty_database_url, driver="postgresql+psycopg"), poolclass=sa.NullPool
+    )
+    try:
+        with engine.begin() as conn:  # as a newer package leaves it: a migration, its functions
+            conn.execute(
+                sa.text("INSERT INTO celery_fence.migrations (version, name) VALUES (:v, :name)"),
+                {"v": newer, "name": f"{newer:04d}_from_a_newer_package"},
+            )
+            conn.exec_driver_sql(
+                "CREATE OR REPLACE FUNCTION celery_fence.span(p_span interval) RETURNS interval"
+                " LANGUAGE sql IMMUTABLE AS $$ SELECT p_span $$"
+            )
+    finally:
+        engine.dispose()
+    before = catalog(empty_database_url)
+    with pytest.raises(
+        FenceDatabaseError,
+        match=rf"schema is at version {newer}, newer than this package's latest "
+        rf"\({_sql.latest_version()}\); nothing was changed",
+    ):
+        install(empty_database_url)
+    assert catalog(empty_database_url) == before
+    assert [version for version, _ in migrations_applied(empty_database_url)][-1] == newer
+
+
 def test_install_runs_exactly_the_printed_script(empty_database_url: str) -> None:
     executed: list[str] = []
 
