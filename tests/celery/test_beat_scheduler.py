@@ -477,8 +477,25 @@ def test_a_former_leader_that_leads_again_sends_nothing_its_successor_sent(
             second.close()
 
 
+def restarted(app: Celery, start: str, *, instances: int, ticks: int, every: float) -> list[str]:
+    """Run ``instances`` of the app's scheduler one after another from ``start`` (HH:MM:SS on
+    2030-01-01, UTC), each ticking ``ticks`` times, ``every`` seconds apart; the slots they
+    sent (HH:MM:SS), in order."""
+    store = Fence.of(app).store
+    with freeze_time(f"2030-01-01T{start}+00:00", ignore=["_pytest.timing"]) as frozen:
+        for _ in range(instances):
+            beat = FencedScheduler(app=app, lazy=False)
+            try:
+                for _ in range(ticks):
+                    beat.tick()
+                    frozen.tick(every)
+            finally:
+                beat.close()
+    return sorted(d.slot.strftime("%H:%M:%S") for d in store.dispatches(beat.lease_name))
+
+
 def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
-    clocked_app: Celery, fake_store: LeaseStore
+    clocked_app: Celery,
 ) -> None:
     """An interval entry comes due at the start of each of its slots, not a period after its
     instance started, and a beat that starts sends the current slot unless it was sent: beat
@@ -486,16 +503,8 @@ def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
     clocked_app.conf.beat_schedule = {
         ENTRY: {"task": "example.plan_retention", "schedule": timedelta(seconds=10)}
     }
-    with freeze_time("2030-01-01T10:00:03+00:00", ignore=["_pytest.timing"]) as frozen:
-        for _ in range(6):  # 42 seconds, one instance after another
-            beat = FencedScheduler(app=clocked_app, lazy=False)
-            try:
-                for _ in range(7):
-                    beat.tick()
-                    frozen.tick(1)
-            finally:
-                beat.close()
-    slots = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
+    # 42 seconds, one instance after another.
+    slots = restarted(clocked_app, "10:00:03", instances=6, ticks=7, every=1)
     assert slots == ["10:00:00", "10:00:10", "10:00:20", "10:00:30", "10:00:40"]
     assert len(queued(clocked_app)) == 5
 
@@ -512,7 +521,6 @@ def test_interval_slots_go_out_where_they_start_however_often_beat_restarts(
 )
 def test_an_interval_entry_is_not_due_again_within_the_slot_it_was_sent_for(
     clocked_app: Celery,
-    fake_store: LeaseStore,
     caplog: pytest.LogCaptureFixture,
     every: schedules.schedule,
     slots: list[str],
@@ -522,16 +530,7 @@ def test_an_interval_entry_is_not_due_again_within_the_slot_it_was_sent_for(
     caplog.set_level(logging.INFO, "celery_fence")
     clocked_app.conf.beat_schedule = {ENTRY: {"task": "example.plan_retention", "schedule": every}}
     start = "10:00:03" if every.run_every < timedelta(seconds=1) else "10:29:58"
-    with freeze_time(f"2030-01-01T{start}+00:00", ignore=["_pytest.timing"]) as frozen:
-        beat = FencedScheduler(app=clocked_app, lazy=False)
-        try:
-            for _ in range(6):
-                beat.tick()
-                frozen.tick(0.5)
-        finally:
-            beat.close()
-    sent = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
-    assert sent == slots
+    assert restarted(clocked_app, start, instances=1, ticks=6, every=0.5) == slots
     assert "already dispatched" not in caplog.text
     assert len(queued(clocked_app)) == len(slots)
 
