@@ -711,14 +711,20 @@ class LeaseStore:
 
     def check_schema(self) -> int:
         """Return the installed schema version; raise :class:`SchemaNotInstalledError` when the
-        schema is missing or older than this package's migrations."""
-        rows = self._rows("schema_version", {})
-        version = rows[0]["version"] if rows else None
-        if version is None or version < _sql.latest_version():
-            raise SchemaNotInstalledError(
-                f"celery-fence schema is at version {version}, this package needs "
-                f"{_sql.latest_version()}; run `celery-fence install`"
-            )
+        schema is missing or older than this package's migrations. Its errors (those of a
+        database it cannot reach too) name the database: its URL without password or
+        parameters, which may hold one."""
+        try:
+            rows = self._rows("schema_version", {})
+            version = rows[0]["version"] if rows else None
+            if version is None or version < _sql.latest_version():
+                raise SchemaNotInstalledError(
+                    f"celery-fence schema is at version {version}, this package needs "
+                    f"{_sql.latest_version()}; run `celery-fence install`"
+                )
+        except FenceDatabaseError as exc:
+            url = self.engine.url.set(query={}).render_as_string(hide_password=True)
+            raise type(exc)(f"{exc} [database {url}]") from exc.__cause__
         return int(version)
 
     # -- the protocol -----------------------------------------------------------------------
@@ -1373,13 +1379,15 @@ class LeaseStore:
             with self.engine.begin() as conn:
                 with self.guard(lease, conn, action=f"dispatch {entry} for {slot.isoformat()}"):
                     pass
-                cursor = _cursor(conn)
+                # Through the connection, not its cursor: a session the server ends for idling
+                # past the lease's expiry from here on fails with the claim's rejection (see
+                # guard), as its commit would.
                 wait = max(min(self.lock_timeout, lease.remaining()), 0.001)
-                self._run(cursor, "bound_lock_wait", {"lock_timeout": wait})
-                claimed = self._run(cursor, "claim_slot", params)
+                self._execute(conn, "bound_lock_wait", {"lock_timeout": wait})
+                claimed = self._execute(conn, "claim_slot", params).first() is not None
         except self._driver_errors as exc:
             raise _wrap(exc) from exc
-        return bool(claimed)
+        return claimed
 
     def dispatches(
         self, schedule: str, *, entry: str | None = None, limit: int = 100
@@ -1590,6 +1598,13 @@ class LeaseStore:
         In a transaction of its own, so that the bound is not left on a session that a
         transaction-pooling PgBouncer hands to others."""
         return self._rows(query, params, lock_timeout=self.lock_timeout)
+
+    def _execute(
+        self, conn: sa.Connection, query: str, params: Mapping[str, Any]
+    ) -> sa.CursorResult[Any]:
+        """Execute a named statement on a SQLAlchemy connection, whose events see it."""
+        statement = self._statements[query]
+        return conn.exec_driver_sql(statement.sql, statement.parameters(params))
 
     def _run(self, cursor: Any, query: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Execute a named statement on a DB-API cursor; its rows as dicts."""

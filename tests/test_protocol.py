@@ -1439,3 +1439,36 @@ def test_a_claim_kept_waiting_by_an_uncommitted_claim_of_its_slot_gives_up(
         [stale] = store.stale_runs(lease_name="scheduler:plans")
         assert (stale.stale_epoch, stale.current_epoch) == (1, 2)
         assert quick.dispatches("scheduler:plans") == []
+
+
+def test_a_claim_whose_session_the_server_ends_after_its_check_is_rejected_and_recorded(
+    engine: Engine, store: LeaseStore
+) -> None:
+    """The claimant stalls after its fence check (a leader paused by the OS) until the server
+    ends the session for idling past the lease's expiry, the idle limit the check set: the
+    claim fails with its rejection, recorded, as a commit after such a stall does, and nothing
+    is claimed."""
+    lease = held(store.acquire("scheduler:plans", holder="beat-a", ttl=30))
+    with engine.begin() as conn:  # the lease runs out 300 ms from now, by the database clock
+        conn.execute(
+            sa.text(
+                "UPDATE celery_fence.leases SET expires_at = clock_timestamp()"
+                " + interval '300 milliseconds' WHERE name = 'scheduler:plans'"
+            )
+        )
+
+    def stall(_conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "bound_lock_wait" in statement:
+            wait_until_told(cursor.connection)
+
+    slot = datetime(2030, 1, 1, 10, tzinfo=timezone.utc)
+    sa.event.listen(engine, "before_cursor_execute", stall)
+    try:
+        with pytest.raises(StaleEpochError) as caught:
+            store.claim_slot(lease, entry="nightly", slot=slot, task="t")
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", stall)
+    assert (caught.value.reason, caught.value.epoch) == ("expired", 1)
+    [stale] = store.stale_runs(lease_name="scheduler:plans")
+    assert (stale.reason, stale.action) == ("expired", f"dispatch nightly for {slot.isoformat()}")
+    assert store.dispatches("scheduler:plans") == []

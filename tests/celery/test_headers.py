@@ -10,6 +10,7 @@ and the stale run is recorded.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 import time
@@ -23,7 +24,7 @@ from celery import Celery, Task, chain, chord, group, states
 from celery.result import AsyncResult
 from sqlalchemy.engine import Engine
 
-from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeaseLostError, LeaseStore
+from celery_fence import Lease, LeaseHeldError, LeaseLostError, LeaseStore
 from celery_fence.contrib.celery import (
     HEADER,
     REJECTED,
@@ -262,25 +263,29 @@ def test_an_eager_run_refused_or_rejected_raises_and_an_eager_chord_calls_no_bod
     assert (stale.stale_epoch, stale.current_epoch) == (1, 2)
 
 
-def test_a_run_that_would_pass_on_too_many_leases_fails_before_taking_its_own(
-    app: Celery, fence: Fence, store: LeaseStore
+def test_a_run_passes_on_the_nearest_other_leases_and_logs_those_it_drops(
+    app: Celery, fence: Fence, store: LeaseStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     app.conf.task_always_eager = True
+    caplog.set_level(logging.WARNING, "celery_fence")
 
     @fence.task(lease="release:{environment}")
-    def publish(environment: str) -> None:
-        raise AssertionError("the body ran")
+    def publish(environment: str) -> list[str]:
+        header = fence.current().header()
+        assert header is not None
+        return [entry.lease for entry in header.outer]
 
     build = take(store, "build:0")
     outer = [outer_entry(build, name=f"build:{n}") for n in range(1, MAX_OUTER + 1)]
     header = {**FenceHeader.for_lease(build, "resume").to_message(), "outer": outer}
 
-    result = publish.apply(("prod",), headers={HEADER: header})
+    passed_on = publish.apply(("prod",), headers={HEADER: header}).get()
 
-    assert result.state == states.FAILURE
-    assert isinstance(result.result, ConfigurationError)
-    assert f"at most {MAX_OUTER}" in str(result.result)
-    assert store.owner(NAME) is None
+    assert passed_on == [f"build:{n}" for n in range(MAX_OUTER)]
+    assert (
+        f"a run on lease {NAME} passes on the headers of the {MAX_OUTER} nearest of "
+        f"{MAX_OUTER + 1} other leases; dropped: build:{MAX_OUTER}"
+    ) in caplog.text
 
 
 def test_a_task_calling_itself_in_its_run_is_refused_whatever_its_policy(
@@ -417,6 +422,39 @@ def test_a_link_after_a_step_on_another_lease_continues_the_run_that_published_t
         assert seen == [("build", "owner", 1), ("publish", "resume", 2)]
         assert [entry.epoch for entry in store.history(NAME)] == [2, 1]
         assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("between", ["enforcement off", "shadow, refused"])
+def test_a_step_without_a_lease_still_passes_on_the_release_it_was_published_under(
+    app: Celery, fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, between: str
+) -> None:
+    """release, then chain(build, publish): build runs without a lease (its environment's
+    enforcement off, or shadow mode letting it through a held lease), and passes the release's
+    entry on all the same, so that publish is rejected once a newer release took the lease."""
+    app.conf.fence_enforcement = {"ci": "off" if between == "enforcement off" else "shadow"}
+    if between == "shadow, refused":
+        take(store, "build:ci", holder="another-build@test")
+    chains: list[AsyncResult] = []
+
+    @fence.task(lease="release:{environment}")
+    def release(environment: str) -> None:
+        chains.append(chain(build.si("ci"), publish.si(environment)).delay())
+
+    @fence.task(lease="build:{environment}", environment="{environment}")
+    def build(environment: str) -> None:
+        assert fence.current().lease is None
+        store.release(take(store, holder="newer-release@test"))
+
+    @fence.task(lease="release:{environment}")
+    def publish(environment: str) -> None:
+        raise AssertionError("a superseded release published")
+
+    with worker():
+        assert wait.finished(release.delay("prod")) == states.SUCCESS
+        assert wait.finished(wait.until(lambda: chains, what="the chain")[0]) == REJECTED
+
+    [stale] = store.stale_runs(lease_name=NAME)
+    assert (stale.reason, stale.stale_epoch, stale.current_epoch) == ("superseded", 1, 2)
 
 
 def test_group_members_after_the_parent_ended_take_it_over_once(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from celery import Celery
+from sqlalchemy.engine import make_url
 
 from celery_fence import ConfigurationError, LeaseStore, SchemaNotInstalledError
 from celery_fence.contrib.celery import Fence, FenceSettings
@@ -251,6 +252,7 @@ def test_startup_check_passes_and_needs_the_schema(
 
 APP_MODULE = """
 from celery import Celery
+from sqlalchemy.engine import make_url
 from celery_fence.contrib.celery import Fence
 
 app = Celery("refused", broker="memory://")
@@ -331,6 +333,9 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
         )
     else:
         assert line.startswith(f"Error: {name} not started: {said}")
+    # Which database has no schema: its URL, without password or parameters.
+    database = make_url(empty_database_url).set(drivername="postgresql+psycopg", query={})
+    assert line.endswith(f" [database {database.render_as_string()}]") != schema
     assert (result.stderr == "") == ("--logfile" in command)
 
 

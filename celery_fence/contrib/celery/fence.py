@@ -28,7 +28,6 @@ from celery.utils.log import LoggingProxy
 from celery_fence import validation
 from celery_fence.exceptions import (
     ConfigurationError,
-    FenceDatabaseError,
     FenceError,
     LeaseBusyError,
     LeaseError,
@@ -150,11 +149,16 @@ class FencedRun:
             yield
 
     def header(self) -> FenceHeader | None:
-        """The header tasks published from this run carry: none from a run without a lease."""
+        """The header tasks published from this run carry. A run without a lease passes on only
+        what it received of other leases, the nearest in the header's own fields: none, if it
+        received none."""
         lease = self.lease
-        if lease is None:
+        if lease is not None:
+            return FenceHeader.for_lease(lease, "resume", self.outer)
+        if not self.outer:
             return None
-        return FenceHeader.for_lease(lease, "resume", self.outer)
+        nearest, *farther = self.outer
+        return replace(nearest, outer=tuple(farther))
 
 
 def current_run() -> FencedRun | None:
@@ -291,18 +295,13 @@ class Fence:
         """Validate settings and fenced tasks, and check the schema answers. Called at worker
         start, with the worker's time limit (``time_limit``); raises
         :class:`ConfigurationError` or a database error naming the problem and the database
-        (its URL without password or parameters)."""
+        (see :meth:`LeaseStore.check_schema`)."""
         settings = self.settings
         # Every fenced task of the app, also one declared on an earlier Fence of it.
         for task in self.app.tasks.values():
             if isinstance(task, FencedTask):
                 task.check_timing(settings, time_limit)
-        try:
-            self.store.check_schema()
-        except FenceDatabaseError as exc:
-            # The parameters may hold a password (libpq's password=): they are left out.
-            url = self.store.engine.url.set(query={}).render_as_string(hide_password=True)
-            raise type(exc)(f"{exc} [database {url}]") from exc.__cause__
+        self.store.check_schema()
         log.info(
             "celery-fence ready: environment %s, enforcement %s",
             settings.environment,
@@ -421,15 +420,9 @@ class Fence:
         if enforcement == "off":
             run = FencedRun(store=self.store, mode="owner", enforced=False)
         else:
-            # Checked before the lease is taken: a run that could not pass its header on fails
-            # first.
-            outer = (
-                ()
-                if received is None
-                else received.passed_on(_fill(task.fence_lease, arguments, "lease"))
-            )
             run = self._start(task, value, arguments, environment, enforcement == "enforce")
-            run.outer = outer
+        if received is not None:
+            run.outer = received.passed_on(_fill(task.fence_lease, arguments, "lease"))
         if received is not None and received.mode == "join":
             run.dispatched_by = received
         return run

@@ -20,6 +20,7 @@ from typing import Any, cast, get_args
 from celery_fence import validation
 from celery_fence.exceptions import ConfigurationError
 from celery_fence.models import Lease
+from celery_fence.observe import log
 from celery_fence.store import Mode, proof
 
 HEADER = "celery_fence"
@@ -85,16 +86,21 @@ class FenceHeader:
 
     def passed_on(self, lease: str) -> tuple[FenceHeader, ...]:
         """The entries a run on ``lease`` that received this header passes on as ``outer``: the
-        ``resume`` entries of every other lease, nearest first. Raises
-        :class:`ConfigurationError` past :data:`MAX_OUTER`."""
+        ``resume`` entries of every other lease, nearest first, the :data:`MAX_OUTER` nearest
+        (the farther are dropped, logged: a later step on one of their leases takes it anew)."""
         own = (replace(self, publication=None, outer=()),) if self.mode == "resume" else ()
         entries = tuple(entry for entry in own + self.outer if entry.lease != lease)
         if len(entries) > MAX_OUTER:
-            raise ConfigurationError(
-                f"a run on lease {lease} would pass on the headers of {len(entries)} other "
-                f"leases; at most {MAX_OUTER} travel with a message"
+            log.warning(
+                "a run on lease %s passes on the headers of the %d nearest of %d other leases; "
+                "dropped: %s",
+                lease,
+                MAX_OUTER,
+                len(entries),
+                ", ".join(entry.lease for entry in entries[MAX_OUTER:]),
+                extra={"lease": lease},
             )
-        return entries
+        return entries[:MAX_OUTER]
 
     @classmethod
     def from_message(cls, value: object) -> FenceHeader:
