@@ -73,37 +73,15 @@ RETURNS interval LANGUAGE sql IMMUTABLE AS $$
     SELECT pg_catalog.make_interval(secs => extract(epoch FROM p_span))
 $$;
 
--- Why a text argument is refused, or NULL when it is not: the rules of check_text in
--- celery_fence/validation.py, with its limits. It must be 1 to p_max characters (0 to p_max with
--- p_empty), hold no control, format, surrogate or private-use character and no separator but the
--- space (Unicode's Cc, Cf, Cs, Co, Zs, Zl and Zp as of Unicode 14.0, the code points of
--- validation.UNPRINTABLE), and neither start nor end with a space. The checks are expressions,
--- not procedures, so that PostgreSQL inlines them into the PL/pgSQL caller's assignment, after
--- which the caller raises the message (SQLSTATE 22023): a call of a function of its own would
--- cost a tenth of an acquisition. STABLE, as format() is: a body more volatile than the
--- function's declaration is not inlined.
-CREATE OR REPLACE FUNCTION celery_fence.text_error(
-    p_value text, p_what text, p_max integer, p_empty boolean DEFAULT false
-) RETURNS text LANGUAGE sql STABLE AS $$
-    SELECT CASE
-        WHEN p_value IS NULL OR (p_value = '' AND NOT p_empty)
-            THEN pg_catalog.format('celery_fence: %s must not be empty', p_what)
-        WHEN pg_catalog.length(p_value) > p_max
-            THEN pg_catalog.format(
-                'celery_fence: %s must be at most %s characters, got %s',
-                p_what, p_max, pg_catalog.length(p_value))
-        WHEN p_value COLLATE pg_catalog."C" OPERATOR(pg_catalog.~)
-                 '[\u0001-\u001f\u007f-\u00a0\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2'
-                 '\u1680\u180e\u2000-\u200f\u2028-\u202f\u205f-\u2064\u2066-\u206f\u3000'
-                 '\ud800-\uf8ff\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U00013438'
-                 '\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f'
-                 '\U000f0000-\U000ffffd\U00100000-\U0010fffd]'
-            THEN pg_catalog.format(
-                'celery_fence: %s must be printable text: no control, format or private-use '
-                'character, and no separator but the space', p_what)
-        WHEN pg_catalog.starts_with(p_value, ' ') OR pg_catalog."right"(p_value, 1) = ' '
-            THEN pg_catalog.format(
-                'celery_fence: %s must not start or end with whitespace, got %L', p_what, p_value)
+-- Why a text argument is refused ('celery_fence: <what> must be 1 to <max> characters'), or
+-- NULL when it is not. The checks are expressions, not procedures, so that PostgreSQL inlines
+-- them into the PL/pgSQL caller's assignment, after which the caller raises the message (SQLSTATE
+-- 22023): a call of a function of its own would cost a tenth of an acquisition. STABLE, as
+-- format() is: a body more volatile than the function's declaration is not inlined.
+CREATE OR REPLACE FUNCTION celery_fence.length_error(p_value text, p_what text, p_max integer)
+RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN p_value IS NULL OR pg_catalog.length(p_value) NOT BETWEEN 1 AND p_max
+        THEN pg_catalog.format('celery_fence: %s must be 1 to %s characters', p_what, p_max)
     END
 $$;
 
@@ -118,10 +96,10 @@ RETURNS text LANGUAGE sql STABLE AS $$
     END
 $$;
 
--- Why a lease name is refused (see text_error: 1 to 200 characters), or NULL.
+-- Why a lease name is refused (it must be 1 to 200 characters), or NULL.
 CREATE OR REPLACE FUNCTION celery_fence.name_error(p_name text)
 RETURNS text LANGUAGE sql STABLE AS $$
-    SELECT celery_fence.text_error(p_name, 'lease name', 200)
+    SELECT celery_fence.length_error(p_name, 'lease name', 200)
 $$;
 
 -- Why a lease name, holder, TTL or maximum hold is refused, or NULL when none is. TTL and
@@ -132,7 +110,7 @@ CREATE OR REPLACE FUNCTION celery_fence.argument_error(
 ) RETURNS text LANGUAGE sql STABLE AS $$
     SELECT coalesce(
         celery_fence.name_error(p_name),
-        celery_fence.text_error(p_holder, 'holder', 200),
+        celery_fence.length_error(p_holder, 'holder', 200),
         CASE WHEN p_ttl IS NULL OR celery_fence.span(p_ttl) <= interval '0'
                   OR celery_fence.span(p_ttl) > interval '1 day'
             THEN pg_catalog.format(
@@ -228,8 +206,7 @@ DECLARE
 BEGIN
     v_error := coalesce(
         celery_fence.argument_error(p_name, p_holder, p_ttl, p_max_hold),
-        celery_fence.text_error(p_environment, 'environment', 64),
-        celery_fence.text_error(coalesce(p_purpose, ''), 'purpose', 500, true),
+        celery_fence.length_error(p_environment, 'environment', 64),
         celery_fence.now_error(p_now)
     );
     IF v_error IS NOT NULL THEN
@@ -677,8 +654,8 @@ DECLARE
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
-        celery_fence.text_error(p_reason, 'pause reason', 500),
-        celery_fence.text_error(p_by, 'who pauses (p_by)', 200),
+        celery_fence.length_error(p_reason, 'pause reason', 500),
+        celery_fence.length_error(p_by, 'who pauses (p_by)', 200),
         celery_fence.now_error(p_now)
     );
     IF v_error IS NOT NULL THEN
@@ -692,7 +669,7 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM celery_fence.leases l WHERE l.name = p_name) THEN
         -- A lease paused before it was ever acquired: its stale runs are recorded under the
         -- environment given here, so there must be one.
-        v_error := celery_fence.text_error(
+        v_error := celery_fence.length_error(
             p_environment, 'environment (to pause a lease that does not exist yet)', 64
         );
         IF v_error IS NOT NULL THEN
