@@ -224,11 +224,17 @@ def _json_value(value: object) -> str:
 
 
 def echo(text: str, *, nl: bool = True) -> None:
-    """Write ``text`` (and a newline) on stdout; raise :class:`Unwritable` if it cannot be."""
+    """Write ``text`` (and a newline) on stdout, a character its encoding cannot hold escaped;
+    raise :class:`Unwritable` if it cannot be written."""
     if sys.stdout is None:  # the process was started with its stdout closed
         raise Unwritable("stdout is closed")
     try:
         click.echo(text, nl=nl)
+    except UnicodeEncodeError:
+        # A character stdout's encoding has no form for (a name in a LANG=C terminal) is
+        # written as its escape, as Python writes it in a string.
+        encoding = sys.stdout.encoding or "utf-8"
+        echo(text.encode(encoding, "backslashreplace").decode(encoding), nl=nl)
     except OSError as exc:
         # What stdout still buffers goes to the null device, so that the interpreter's flush at
         # exit does not fail again.

@@ -754,6 +754,23 @@ def test_a_table_escapes_what_is_not_printable(database_url: str, store: LeaseSt
     assert paused["paused_reason"] == "line\nbreak\x1b[2J", "JSON keeps the text as it is"
 
 
+def test_a_table_escapes_what_the_terminals_encoding_cannot_hold(database_url: str) -> None:
+    assert acquire(database_url, "job-\U0001f600", "a").exit_code == ExitCode.OK
+    command = [sys.executable, "-m", "celery_fence.cli", "--database-url", database_url, "status"]
+    result = subprocess.run(
+        command,
+        env={**os.environ, "PYTHONIOENCODING": "latin-1"},
+        capture_output=True,
+        text=True,
+        encoding="latin-1",
+        timeout=60,
+        check=False,
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+    _, row = result.stdout.splitlines()
+    assert row.startswith("job-\\U0001f600 ")
+
+
 @pytest.mark.parametrize(
     "args",
     [("install", "--print"), ("status",), ("status", "--json"), ("history", "job")],
