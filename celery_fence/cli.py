@@ -40,7 +40,7 @@ from celery_fence.exceptions import (
     LeasePausedError,
 )
 from celery_fence.models import Acquisition, HistoryEntry, Lease, Owner, StaleRun
-from celery_fence.store import LeaseStore
+from celery_fence.store import LeaseStore, shown_url
 
 F = TypeVar("F", bound=Callable[..., Any])
 Record = TypeVar("Record", Owner, HistoryEntry, StaleRun)
@@ -115,10 +115,6 @@ class ReaderGone(Unwritable):
         pass
 
 
-#: The libpq connection parameters an error message must not show.
-_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
-
-
 @dataclasses.dataclass
 class Settings:
     """The global options; the store is made on first use, so ``install --print`` and
@@ -147,13 +143,8 @@ class Settings:
         return self._store
 
     def where(self) -> str:
-        """The database URL with its passwords hidden (its own, and libpq's ``password`` and
-        ``sslpassword`` parameters), for error messages."""
-        url = make_url(self.url())
-        secrets = sorted(key for key in url.query if key.lower() in _SECRET_PARAMETERS)
-        shown = url.difference_update_query(secrets).render_as_string(hide_password=True)
-        hidden = "&".join(f"{key}=***" for key in secrets)
-        return f"{shown}{'&' if '?' in shown else '?'}{hidden}" if secrets else shown
+        """The database URL as error messages show it (:func:`shown_url`)."""
+        return shown_url(self.url())
 
     def close(self) -> None:
         if self._store is not None:

@@ -95,6 +95,20 @@ CONNECT_DEFAULTS: dict[str, int | str] = {
 _TCP_USER_TIMEOUT_LIBPQ = 120_000
 
 
+#: The libpq connection parameters a message must not show.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def shown_url(url: str | sa.URL) -> str:
+    """A database URL as messages show it: its password hidden, and libpq's ``password`` and
+    ``sslpassword`` parameters too."""
+    url = make_url(url)
+    secrets = sorted(key for key in url.query if key.lower() in _SECRET_PARAMETERS)
+    shown = url.difference_update_query(secrets).render_as_string(hide_password=True)
+    hidden = "&".join(f"{key}=***" for key in secrets)
+    return f"{shown}{'&' if '?' in shown else '?'}{hidden}" if secrets else shown
+
+
 def engine_from_url(url: str, **kwargs: Any) -> Engine:
     """An engine on psycopg 3 for a ``postgresql://`` (or libpq's ``postgres://``) or
     ``postgresql+psycopg://`` URL, with :data:`CONNECT_DEFAULTS` for the connection parameters
@@ -712,8 +726,8 @@ class LeaseStore:
     def check_schema(self) -> int:
         """Return the installed schema version; raise :class:`SchemaNotInstalledError` when the
         schema is missing or older than this package's migrations. Its errors (those of a
-        database it cannot reach too) name the database: its URL without password or
-        parameters, which may hold one."""
+        database it cannot reach too) name the database: its URL as :func:`shown_url` shows
+        it, passwords hidden."""
         try:
             rows = self._rows("schema_version", {})
             version = rows[0]["version"] if rows else None
@@ -723,8 +737,7 @@ class LeaseStore:
                     f"{_sql.latest_version()}; run `celery-fence install`"
                 )
         except FenceDatabaseError as exc:
-            url = self.engine.url.set(query={}).render_as_string(hide_password=True)
-            raise type(exc)(f"{exc} [database {url}]") from exc.__cause__
+            raise type(exc)(f"{exc} [database {shown_url(self.engine.url)}]") from exc.__cause__
         return int(version)
 
     # -- the protocol -----------------------------------------------------------------------

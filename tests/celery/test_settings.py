@@ -333,8 +333,8 @@ def test_celery_worker_and_beat_refuse_to_start_in_one_line(
         )
     else:
         assert line.startswith(f"Error: {name} not started: {said}")
-    # Which database has no schema: its URL, without password or parameters.
-    database = make_url(empty_database_url).set(drivername="postgresql+psycopg", query={})
+    # Which database has no schema: its URL, password hidden.
+    database = make_url(empty_database_url).set(drivername="postgresql+psycopg")
     assert line.endswith(f" [database {database.render_as_string()}]") != schema
     assert (result.stderr == "") == ("--logfile" in command)
 
@@ -354,7 +354,10 @@ def test_a_worker_refuses_to_start_without_its_database_naming_it_and_a_beat_sta
     assert "Traceback" not in result.stderr
     [line] = [line for line in result.stderr.splitlines() if "worker not started: " in line]
     assert line.startswith("Error: worker not started: database error: connection failed: ")
-    assert line.endswith(" [database postgresql+psycopg://postgres:***@127.0.0.1:1/app]")
+    assert line.endswith(
+        " [database postgresql+psycopg://postgres:***@127.0.0.1:1/app"
+        "?connect_timeout=2&password=***]"
+    )
     assert "s3cret" not in result.stderr
 
     app = Celery("beat-unreachable", set_as_current=False)
