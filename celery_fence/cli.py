@@ -712,8 +712,10 @@ def _whoami() -> str:
 @click.pass_obj
 def pause(settings: Settings, name: str, reason: str, by: str, new: bool) -> None:
     """Stop lease NAME from being acquired or renewed; its holder's fenced writes are rejected."""
+    validation.check_name(name)
     validation.check_text(reason, "reason", max_length=validation.MAX_TEXT_LENGTH)
     validation.check_holder(by, "by (who pauses)")
+    validation.check_environment(settings.environment)
     store = settings.store()
     if not new and store.owner(name) is None:
         raise CommandError(

@@ -665,6 +665,8 @@ def test_pause_and_resume(database_url: str) -> None:
         (("pause", "job", "--reason", ""), "reason must not be empty"),
         (("pause", "job", "--reason", "audit "), "reason must not start or end with"),
         (("pause", "job", "--reason", "audit", "--by", ""), "by (who pauses) must not be empty"),
+        (("pause", "", "--reason", "audit"), "lease name must not be empty"),
+        (("--environment", " prod", "pause", "job", "--reason", "audit"), "environment must not"),
         (("status", "job", "--environment", ""), "environment must not be empty"),
     ],
 )
