@@ -417,12 +417,15 @@ class Fence:
             _add_header(passed_on)
             value = passed_on.get(HEADER)
         received = _readable(value)
+        if enforcement == "off" and received is None:
+            return FencedRun(store=self.store, mode="owner", enforced=False)
+        name = _fill(task.fence_lease, arguments, "lease")
         if enforcement == "off":
             run = FencedRun(store=self.store, mode="owner", enforced=False)
         else:
-            run = self._start(task, value, arguments, environment, enforcement == "enforce")
+            run = self._start(task, name, value, arguments, environment, enforcement == "enforce")
         if received is not None:
-            run.outer = received.passed_on(_fill(task.fence_lease, arguments, "lease"))
+            run.outer = received.passed_on(name)
         if received is not None and received.mode == "join":
             run.dispatched_by = received
         return run
@@ -430,16 +433,17 @@ class Fence:
     def _start(
         self,
         task: FencedTask,
+        name: str,
         value: object | None,
         arguments: Mapping[str, Any],
         environment: str,
         enforced: bool,
     ) -> FencedRun:
         if value is not None:
-            run = self._continue(task, value, arguments, environment, enforced)
+            run = self._continue(task, name, value, arguments, environment, enforced)
             if run is not None:
                 return run
-        return self._acquire(task, arguments, environment, enforced)
+        return self._acquire(task, name, arguments, environment, enforced)
 
     def end(self, run: FencedRun, *, keep: str | None = None) -> None:
         """Stop renewing; release the lease if this run holds it and need not keep it (a
@@ -481,6 +485,7 @@ class Fence:
     def _acquire(
         self,
         task: FencedTask,
+        name: str,
         arguments: Mapping[str, Any],
         environment: str,
         enforced: bool,
@@ -489,7 +494,6 @@ class Fence:
         """Take the task's lease for this run. ``since``: the epoch of it an earlier delivery of
         this message took, when known other than by the ``WAITING`` header."""
         settings = self.settings
-        name = _fill(task.fence_lease, arguments, "lease")
         ttl = task.lease_ttl(settings)
         interval = task.renew_interval(settings, ttl)
         if since is None and task.waited_for() is None and task.redelivered():
@@ -598,6 +602,7 @@ class Fence:
     def _continue(
         self,
         task: FencedTask,
+        name: str,
         value: object,
         arguments: Mapping[str, Any],
         environment: str,
@@ -630,7 +635,7 @@ class Fence:
             )
         ttl = task.lease_ttl(self.settings)
         if header.mode == "resume":
-            entry = header.entry_for(_fill(task.fence_lease, arguments, "lease"))
+            entry = header.entry_for(name)
             if entry is None:
                 return None
             # The run continues under its own lease's entry: the header's, or an outer one (a
@@ -642,7 +647,6 @@ class Fence:
             if done is not None:
                 return done
         else:
-            name = _fill(task.fence_lease, arguments, "lease")
             # The retry of a delivery that waited for an earlier one of its message, which has
             # run to its end since: the work is done, whoever took the lease after it.
             done = self._done_before(task, name, enforced, "owner")
@@ -654,7 +658,7 @@ class Fence:
                 # lease, its latest epoch (its worker was lost, or the broker's visibility timeout
                 # passed): the dispatch was checked. This one waits for that delivery, takes over
                 # from it, or is dropped once it ran to its end.
-                return self._acquire(task, arguments, environment, enforced, since)
+                return self._acquire(task, name, arguments, environment, enforced, since)
         try:
             got = self.store.rejoin(
                 header.lease,
@@ -677,7 +681,7 @@ class Fence:
             if header.mode == "resume":
                 return FencedRun(store=self.store, mode="resume", enforced=False)
             # Shadow mode: a stale dispatch goes on as an accepted one would, on the task's lease.
-            return self._acquire(task, arguments, environment, enforced)
+            return self._acquire(task, name, arguments, environment, enforced)
         if header.mode == "join":
             if got.outcome != "joined":
                 # The check waited past lock_timeout (the stale run it found could not be
@@ -691,7 +695,7 @@ class Fence:
             # The dispatch was the current leader's: the run is the task's own from here on, on
             # its lease, so that a change of leader does not reach it and two runs of one entry
             # do not overlap.
-            return self._acquire(task, arguments, environment, enforced)
+            return self._acquire(task, name, arguments, environment, enforced)
         if got.lease is None:
             # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
             # earlier delivery of its message took over and holds.
