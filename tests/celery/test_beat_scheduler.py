@@ -606,6 +606,55 @@ def fail_over(
     )
 
 
+@pytest.mark.parametrize(
+    ("starts", "missed"),
+    [("10:01:25", []), ("10:01:40", ["10:01"]), ("10:03:40", ["10:01", "10:02", "10:03"])],
+    ids=["in time", "one slot late", "three slots late"],
+)
+def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
+    clocked_app: Celery,
+    fake_store: LeaseStore,
+    caplog: pytest.LogCaptureFixture,
+    starts: str,
+    missed: list[str],
+) -> None:
+    """The only beat sends 10:00 of a one-minute entry and stops at 10:00:50 (its lease runs
+    out at 10:01:20). Another beat that starts less than half a minute into a slot sends it;
+    one that starts later sends the next, and says which slots nobody sent, and counts them."""
+    caplog.set_level(logging.WARNING, "celery_fence")
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
+    }
+    hour, minute = (int(part) for part in starts.split(":")[:2])
+    current, following = f"{hour}:{minute:02}", f"{hour}:{minute + 1:02}"
+    with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        stopped = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            lead_until(stopped, frozen, "10:00:50")
+            frozen.move_to(f"2030-01-01T{starts}+00:00")
+            started = FencedScheduler(app=clocked_app, lazy=False)
+            try:
+                lead_until(started, frozen, f"{following}:10")
+                assert started.lease is not None
+            finally:
+                started.close()
+        finally:
+            stopped.close()
+    sent = [d.slot.strftime("%H:%M") for d in fake_store.dispatches(stopped.lease_name)]
+    assert sorted(sent) == sorted({"10:00", current, following} - set(missed))
+    lines = [r.getMessage() for r in caplog.records if "without sending" in r.getMessage()]
+    if missed:
+        first, last = (f"2030-01-01T{slot}:00+00:00" for slot in (missed[0], missed[-1]))
+        assert lines == [
+            f"beat leads {stopped.lease_name} without sending {len(missed)} slot(s) of "
+            f"'{ENTRY}', {first} to {last}: they began while no instance led, the last more "
+            f"than half a period ago; next slot 2030-01-01T{following}:00+00:00"
+        ]
+    else:
+        assert lines == []
+    assert fake_store.metrics.get("beat.slots_missed") == len(missed)
+
+
 @pytest.mark.parametrize("deadline", [None, 30])
 def test_a_standby_that_takes_over_sends_the_crontab_occurrence_nobody_sent(
     clocked_app: Celery, deadline: int | None

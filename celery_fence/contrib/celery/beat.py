@@ -227,29 +227,31 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         """Make each interval entry due at once for its current slot if that slot began less
         than half a period ago, else at its next slot: a leader that starts or takes over then
         sends a slot whose start fell while no instance led, unless one sent it already (its
-        claim says). A leader counts each crontab entry's last run from its latest claimed slot
-        (see :meth:`_crontabs_from_their_claims`)."""
+        claim says). A leader counts each crontab entry's last run from its latest claimed slot,
+        and says which interval slots no instance sent (see :meth:`_from_their_claims`)."""
         now = datetime.now(timezone.utc)
         for entry in self.schedule.values():
             _on_the_grid(entry, now, catch_up=True)
         if self.lease is not None:
-            self._crontabs_from_their_claims()
+            self._from_their_claims(now)
 
-    def _crontabs_from_their_claims(self) -> None:
-        """Count each crontab entry's last run from the latest slot of it any instance claimed,
-        as Celery's own scheduler counts it from its schedule file: an occurrence that fell
-        since, while no instance led, comes due at once, within Celery's
+    def _from_their_claims(self, now: datetime) -> None:
+        """Read the latest slot any instance claimed for each entry. A crontab entry counts its
+        last run from it, as Celery's own scheduler counts it from its schedule file: an
+        occurrence that fell since, while no instance led, comes due at once, within Celery's
         ``beat_cron_starting_deadline`` when set. An entry never sent, or whose latest slot is
         not an occurrence of its crontab now (the crontab changed since), keeps its own
-        count: it comes due at its next occurrence."""
-        crontabs = [
+        count: it comes due at its next occurrence. For an interval entry, the slots between
+        its latest claim and the first this leader sends, none of which any instance sent, are
+        logged and counted (``beat.slots_missed``)."""
+        entries = [
             entry
             for entry in self.schedule.values()
-            if isinstance(entry.schedule, schedules.crontab)
+            if isinstance(entry.schedule, (schedules.schedule, schedules.crontab))
         ]
         try:
             latest = self.fence.store.latest_dispatches(
-                self.lease_name, (entry.name for entry in crontabs)
+                self.lease_name, (entry.name for entry in entries)
             )
         except FenceDatabaseError as exc:
             log.warning(
@@ -260,10 +262,39 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 extra={"lease": self.lease_name},
             )
             return
-        for entry in crontabs:
+        for entry in entries:
             claimed = latest.get(entry.name)
-            if claimed is not None and _is_occurrence(entry.schedule, claimed.slot):
-                entry.last_run_at = claimed.slot.astimezone(entry.schedule.tz)
+            if claimed is None:
+                continue
+            if isinstance(entry.schedule, schedules.crontab):
+                if _is_occurrence(entry.schedule, claimed.slot):
+                    entry.last_run_at = claimed.slot.astimezone(entry.schedule.tz)
+            else:
+                self._say_missed(entry, claimed.slot, now)
+
+    def _say_missed(self, entry: ScheduleEntry, claimed: datetime, now: datetime) -> None:
+        """Log and count the slots of an interval entry after ``claimed`` (its latest claim)
+        that this leader, taking the lease at ``now``, does not send: they began while no
+        instance led, the last of them more than half a period before ``now``."""
+        step = timedelta(seconds=_slot_seconds(entry))
+        start = slot_of(entry, now)
+        due_now = entry.schedule.maybe_make_aware(entry.last_run_at) < start
+        first = start if due_now else start + step
+        missed = round((first - claimed) / step) - 1
+        if missed <= 0:
+            return
+        self.fence.store.metrics.incr("beat.slots_missed", missed)
+        log.warning(
+            "beat leads %s without sending %d slot(s) of %r, %s to %s: they began while no "
+            "instance led, the last more than half a period ago; next slot %s",
+            self.lease_name,
+            missed,
+            entry.name,
+            (claimed + step).isoformat(),
+            (first - step).isoformat(),
+            first.isoformat(),
+            extra={"lease": self.lease_name, "entry": entry.name},
+        )
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
         """Celery's answer, except that an interval entry sent now comes due again where its
