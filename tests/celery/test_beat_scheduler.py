@@ -388,29 +388,41 @@ def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_
 
 
 def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_resumed(
-    app: Celery, store: LeaseStore, scheduler: NewScheduler
+    clocked_app: Celery, fake_store: LeaseStore
 ) -> None:
-    """The pause refused the leader's dispatch, so it stepped down and let its lease go. On
-    resume the lease is free at once: nothing waits for the epoch the pause found to run out."""
-    beat = scheduler()
-    # Paused from the start, so that the current slot passes unsent.
-    store.pause(beat.lease_name, reason="investigating double sends", by="ops")
-    beat.tick()
-    assert beat.lease is None
-    store.resume(beat.lease_name)
-    beat.tick()  # leads at epoch 1
-    assert beat.lease is not None
-    store.pause(beat.lease_name, reason="investigating double sends", by="ops")
-    beat.apply_async(make_due(beat))  # its claim of the slot is refused: it steps down
-    assert (beat.lease, beat.halted) == (None, None)
-    assert queued(app) == []
+    """The pause refused the leader's dispatch of a slot, so it stepped down and let its lease
+    go. On resume the lease is free at once (nothing waits for the epoch the pause found to run
+    out), and the slot the pause kept from going out is sent, at the next epoch."""
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
+    }
+    with freeze_time("2030-01-01T10:00:50+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            # Paused from the start: the beat stands by.
+            fake_store.pause(beat.lease_name, reason="investigating double sends", by="ops")
+            beat.tick()
+            assert beat.lease is None
+            fake_store.resume(beat.lease_name)
+            beat.tick()  # leads at epoch 1; the 10:00 slot began too long ago to be sent
+            assert beat.lease is not None
+            fake_store.pause(beat.lease_name, reason="investigating double sends", by="ops")
+            frozen.move_to("2030-01-01T10:01:00+00:00")
+            beat.tick()  # its claim of the 10:01 slot is refused: it steps down
+            assert (beat.lease, beat.halted) == (None, None)
+            assert queued(clocked_app) == []
 
-    store.resume(beat.lease_name)
-    beat.tick()
+            fake_store.resume(beat.lease_name)
+            frozen.tick(1)
+            beat.tick()
 
-    assert beat.lease is not None
-    assert (beat.lease.epoch, beat.halted) == (2, None)
-    assert len(queued(app)) == 1  # the slot the pause kept from going out
+            assert beat.lease is not None
+            assert (beat.lease.epoch, beat.halted) == (2, None)
+        finally:
+            beat.close()
+    [dispatch] = fake_store.dispatches(beat.lease_name)
+    assert (dispatch.slot.strftime("%H:%M"), dispatch.epoch) == ("10:01", 2)
+    assert len(queued(clocked_app)) == 1
 
 
 @pytest.fixture
@@ -611,16 +623,20 @@ def fail_over(
     [("10:01:25", []), ("10:01:40", ["10:01"]), ("10:03:40", ["10:01", "10:02", "10:03"])],
     ids=["in time", "one slot late", "three slots late"],
 )
+@pytest.mark.parametrize("standby", [False, True], ids=["new beat", "stopped standby"])
 def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
     clocked_app: Celery,
     fake_store: LeaseStore,
     caplog: pytest.LogCaptureFixture,
     starts: str,
     missed: list[str],
+    standby: bool,
 ) -> None:
-    """The only beat sends 10:00 of a one-minute entry and stops at 10:00:50 (its lease runs
-    out at 10:01:20). Another beat that starts less than half a minute into a slot sends it;
-    one that starts later sends the next, and says which slots nobody sent, and counts them."""
+    """The leader sends 10:00 of a one-minute entry and stops at 10:00:50 (its lease runs
+    out at 10:01:20), and so does its standby, if any. A beat that starts, or the standby that
+    resumes, less than half a minute into a slot sends it; one that does later sends the next,
+    and says which slots nobody sent, and counts them: what the standby counted before it was
+    stopped does not make it send a slot more than half a period late."""
     caplog.set_level(logging.WARNING, "celery_fence")
     clocked_app.conf.beat_schedule = {
         ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
@@ -630,9 +646,11 @@ def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
     with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
         stopped = FencedScheduler(app=clocked_app, lazy=False)
         try:
-            lead_until(stopped, frozen, "10:00:50")
+            other = FencedScheduler(app=clocked_app, lazy=False) if standby else None
+            lead_until((stopped, other) if other else stopped, frozen, "10:00:50")
+            assert stopped.lease is not None
             frozen.move_to(f"2030-01-01T{starts}+00:00")
-            started = FencedScheduler(app=clocked_app, lazy=False)
+            started = other or FencedScheduler(app=clocked_app, lazy=False)
             try:
                 lead_until(started, frozen, f"{following}:10")
                 assert started.lease is not None

@@ -334,6 +334,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         A leader whose maximum hold would run out before its next renewal gives the lease up
         and takes it again at the next epoch, so that no slot passes while nobody leads."""
         lease = self.lease
+        continuing = False
         if lease is not None:
             if self._until_renewal() <= 0 or not lease.trusted:
                 self._renew()
@@ -366,6 +367,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 )
                 return
             self.lease = None
+            continuing = True
         purpose = self.purpose
         try:
             got = self.fence.store.acquire(
@@ -408,13 +410,20 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 "epochs must only grow"
             )
             return
+        on_standby = self._standby_reason is not None
         self._take(got.lease)
-        self._catch_up()
-        # Celery's heap still holds the entries as they were when this instance last led: on
-        # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its heap
-        # only when an entry's task, arguments, options or schedule change, never for a new
-        # last run. Left as it was, the heap would send at once what came due meanwhile.
-        self._heap = None
+        if not continuing:
+            if on_standby:
+                # Passed as on standby first: a standby that was stopped (SIGSTOP, a suspended
+                # host) counts its entries from where it stopped, and would otherwise send a
+                # slot that began more than half a period ago.
+                self._pass_due_entries()
+            self._catch_up()
+            # Celery's heap still holds the entries as they were when this instance last led: on
+            # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its
+            # heap only when an entry's task, arguments, options or schedule change, never for a
+            # new last run. Left as it was, the heap would send at once what came due meanwhile.
+            self._heap = None
         log.warning(
             "beat leads %s at epoch %d as %s",
             self.lease_name,
