@@ -164,7 +164,20 @@ def _command_error(exc: FenceError, settings: Settings) -> CommandError:
     return CommandError(str(exc))
 
 
-class FenceCommand(click.Command):
+class HelpOutput(click.Command):
+    """A command whose ``--help`` (and ``--version``), written while its arguments are parsed,
+    fails as the commands' own output does when stdout cannot take it: one line, or quietly
+    with :attr:`ExitCode.BROKEN_PIPE` once its reader has gone (``celery-fence --help | head
+    -1``), where Click would exit 1."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except OSError as exc:
+            raise _unwritable(exc) from exc
+
+
+class FenceCommand(HelpOutput):
     """A command whose error for one of the group's options given after its name says where
     that option goes."""
 
@@ -191,7 +204,7 @@ class FenceCommand(click.Command):
             ) from exc
 
 
-class FenceGroup(click.Group):
+class FenceGroup(HelpOutput, click.Group):
     """Turns every :class:`FenceError` a command raises into a one-line error."""
 
     command_class = FenceCommand
@@ -227,11 +240,15 @@ def echo(text: str, *, nl: bool = True) -> None:
         encoding = sys.stdout.encoding or "utf-8"
         echo(text.encode(encoding, "backslashreplace").decode(encoding), nl=nl)
     except OSError as exc:
-        # What stdout still buffers goes to the null device, so that the interpreter's flush at
-        # exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        unwritable = ReaderGone if isinstance(exc, BrokenPipeError) else Unwritable
-        raise unwritable(exc.strerror or str(exc)) from exc
+        raise _unwritable(exc) from exc
+
+
+def _unwritable(exc: OSError) -> Unwritable:
+    """The error for stdout that could not be written, once what it still buffers goes to the
+    null device, so that the interpreter's flush at exit does not fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    unwritable = ReaderGone if isinstance(exc, BrokenPipeError) else Unwritable
+    return unwritable(exc.strerror or str(exc))
 
 
 def echo_json(data: object) -> None:

@@ -788,11 +788,12 @@ def test_output_stdout_cannot_take_is_one_line(database_url: str, args: tuple[st
         )
 
 
-def test_output_whose_reader_has_gone_ends_quietly(database_url: str) -> None:
+@pytest.mark.parametrize("args", [("status",), ("--help",), ("--version",), ("status", "--help")])
+def test_output_whose_reader_has_gone_ends_quietly(database_url: str, args: tuple[str]) -> None:
     """As ``celery-fence status | head -1`` once head has read its line: no word, and the
-    status of a process that SIGPIPE ended."""
+    status of a process that SIGPIPE ended; Click's own output (help, version) alike."""
     acquire(database_url, "job", "a")
-    result = run_with_stdout(database_url, "gone", "status")
+    result = run_with_stdout(database_url, "gone", *args)
     assert (result.returncode, result.stderr) == (ExitCode.BROKEN_PIPE, "")
     assert ExitCode.BROKEN_PIPE == 128 + signal.SIGPIPE
 
