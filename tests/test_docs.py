@@ -508,6 +508,27 @@ def test_the_readme_example_publishes_under_its_epoch(
             _close(value)
 
 
+DEVELOPERS = ROOT / "DEVELOPERS.md"
+#: A path of the repository as DEVELOPERS.md names one: `scripts/test`, `tests/conftest.py`.
+_REPO_PATH = re.compile(
+    r"`(?P<path>(?:celery_fence|sql|tests|benchmarks|scripts|docs|example_app|\.ci)/[\w./-]*"
+    r"|[\w-]+\.(?:toml|yml|md))`"
+)
+
+
+def test_the_developers_guide_names_what_the_repository_has() -> None:
+    """Every file and directory DEVELOPERS.md names exists, and its links resolve."""
+    text = DEVELOPERS.read_text(encoding="utf-8")
+    named = {match["path"] for match in _REPO_PATH.finditer(text)}
+    assert {"scripts/test", "tests/conftest.py", "sql/schema.sql", "pyproject.toml"} <= named
+    missing = sorted(
+        path for path in named if "NNNN" not in path and not (ROOT / path.split()[0]).exists()
+    )
+    linked = [target.partition("#")[0] for target in links(DEVELOPERS)]
+    missing += [target for target in linked if not (ROOT / target).exists()]
+    assert not missing, missing
+
+
 def test_the_docs_have_runnable_pages() -> None:
     """The page runner has something to run: the quickstart and the how-tos at least."""
     names = {page.relative_to(DOCS).as_posix() for page in RUNNABLE}
