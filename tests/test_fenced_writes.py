@@ -1119,7 +1119,8 @@ def test_a_shadow_check_judging_afresh_does_not_queue_behind_a_call_that_waits_f
 
     def pause_first(params: dict[str, object]) -> str | None:
         threading.Thread(target=pause, daemon=True).start()
-        with protected.connect() as conn:
+        # In autocommit: a transaction reads pg_stat_activity once and sees that snapshot after.
+        with protected.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             deadline = time.monotonic() + WAIT
             while not conn.exec_driver_sql(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"

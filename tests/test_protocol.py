@@ -1188,7 +1188,8 @@ def test_a_wait_whose_listening_connection_ends_listens_again(
 
 def _end_session(engine: Engine, pid: int) -> None:
     """End one backend as an administrator (or a failover) would, and wait until it is gone."""
-    with engine.connect() as conn:
+    # In autocommit: a transaction reads pg_stat_activity once and sees that snapshot after.
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
         # A busy server (other sessions creating and dropping databases) can take seconds to
         # see a backend out.
