@@ -166,9 +166,9 @@ def _command_error(exc: FenceError, settings: Settings) -> CommandError:
 
 class HelpOutput(click.Command):
     """A command whose ``--help`` (and ``--version``), written while its arguments are parsed,
-    fails as the commands' own output does when stdout cannot take it: one line, or quietly
-    with :attr:`ExitCode.BROKEN_PIPE` once its reader has gone (``celery-fence --help | head
-    -1``), where Click would exit 1."""
+    fails as the commands' own output does when writing to stdout fails: one line (a full
+    disk), or quietly with :attr:`ExitCode.BROKEN_PIPE` once its reader has gone
+    (``celery-fence --help | head -1``), where Click would exit 1."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
@@ -729,10 +729,8 @@ def _whoami() -> str:
 @click.pass_obj
 def pause(settings: Settings, name: str, reason: str, by: str, new: bool) -> None:
     """Stop lease NAME from being acquired or renewed; its holder's fenced writes are rejected."""
-    validation.check_name(name)
     validation.check_text(reason, "reason", max_length=validation.MAX_TEXT_LENGTH)
     validation.check_holder(by, "by (who pauses)")
-    validation.check_environment(settings.environment)
     store = settings.store()
     if not new and store.owner(name) is None:
         raise CommandError(
