@@ -620,8 +620,13 @@ def fail_over(
 
 @pytest.mark.parametrize(
     ("starts", "missed"),
-    [("10:01:25", []), ("10:01:40", ["10:01"]), ("10:03:40", ["10:01", "10:02", "10:03"])],
-    ids=["in time", "one slot late", "three slots late"],
+    [
+        ("10:01:25", []),
+        ("10:01:40", ["10:01"]),
+        ("10:03:20", ["10:01", "10:02"]),
+        ("10:03:40", ["10:01", "10:02", "10:03"]),
+    ],
+    ids=["in time", "one slot late", "two slots missed, the third in time", "three slots late"],
 )
 @pytest.mark.parametrize("standby", [False, True], ids=["new beat", "stopped standby"])
 def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
@@ -643,6 +648,8 @@ def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
     }
     hour, minute = (int(part) for part in starts.split(":")[:2])
     current, following = f"{hour}:{minute:02}", f"{hour}:{minute + 1:02}"
+    # The first slot the beat that takes over sends.
+    first_sent = following if current in missed else current
     with freeze_time("2030-01-01T09:59:50+00:00", ignore=["_pytest.timing"]) as frozen:
         stopped = FencedScheduler(app=clocked_app, lazy=False)
         try:
@@ -665,12 +672,76 @@ def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
         first, last = (f"2030-01-01T{slot}:00+00:00" for slot in (missed[0], missed[-1]))
         assert lines == [
             f"beat leads {stopped.lease_name} without sending {len(missed)} slot(s) of "
-            f"'{ENTRY}', {first} to {last}: they began while no instance led, the last more "
-            f"than half a period ago; next slot 2030-01-01T{following}:00+00:00"
+            f"'{ENTRY}', {first} to {last}: no instance sent them, and the last began more "
+            f"than half a period ago; next slot 2030-01-01T{first_sent}:00+00:00"
         ]
     else:
         assert lines == []
     assert fake_store.metrics.get("beat.slots_missed") == len(missed)
+
+
+def test_a_standby_that_takes_over_as_an_occurrence_falls_sends_it(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """A standby that ticked a second ago takes over at 10:05:00, just as a crontab entry no one
+    sent before comes due: it sends it. Only an instance that missed ticks (stopped) passes its
+    entries first."""
+    clocked_app.conf.beat_schedule = {
+        "at-five": {"task": "example.report", "schedule": crontab(minute="5")}
+    }
+    with freeze_time("2030-01-01T10:04:00+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            lead_until((leader, standby), frozen, "10:04:46")  # the leader renews at 10:04:45
+            owner = fake_store.owner(leader.lease_name)
+            assert owner is not None
+            assert owner.expires_at == datetime(2030, 1, 1, 10, 5, tzinfo=timezone.utc)
+            lead_until(standby, frozen, "10:05:01")
+            assert standby.lease is not None
+        finally:
+            leader.close()
+            standby.close()
+    [dispatch] = fake_store.dispatches(leader.lease_name)
+    assert (dispatch.entry, dispatch.slot.strftime("%H:%M"), dispatch.holder) == (
+        "at-five",
+        "10:05",
+        standby.holder,
+    )
+
+
+def test_a_takeover_does_not_count_slots_off_the_entrys_grid_as_missed(
+    clocked_app: Celery, fake_store: LeaseStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The latest claim of an entry whose period changed since (10:00:30, a slot of the
+    30-second entry it was) says nothing about the one-minute slots no instance sent."""
+    caplog.set_level(logging.WARNING, "celery_fence")
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
+    }
+    with fake_store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO celery_fence.dispatches VALUES (:schedule, :entry, :slot, "
+                "'example.plan_retention', 1, 'beat@old', :slot)"
+            ),
+            {
+                "schedule": "scheduler:beat-clock-tests",
+                "entry": ENTRY,
+                "slot": datetime(2030, 1, 1, 10, 0, 30, tzinfo=timezone.utc),
+            },
+        )
+    with freeze_time("2030-01-01T10:05:40+00:00", ignore=["_pytest.timing"]) as frozen:
+        beat = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            lead_until(beat, frozen, "10:06:10")
+            assert beat.lease is not None
+        finally:
+            beat.close()
+    assert "without sending" not in caplog.text
+    assert fake_store.metrics.get("beat.slots_missed") == 0
+    slots = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
+    assert slots == ["10:00:30", "10:06:00"]
 
 
 @pytest.mark.parametrize("deadline", [None, 30])
@@ -780,7 +851,8 @@ def test_a_takeover_that_cannot_read_the_claims_leads_on_and_says_so(
     [line] = [r.getMessage() for r in caplog.records if "could not read" in r.getMessage()]
     assert line.startswith(
         f"beat could not read the slots claimed before it led {beat.lease_name}; crontab "
-        "entries count from their next occurrence: "
+        "entries count from their next occurrence, and interval slots nobody sent go "
+        "unreported: "
     )
     assert [d.slot.strftime("%H:%M") for d in fake_store.dispatches(beat.lease_name)] == ["10:02"]
 

@@ -179,6 +179,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self._schedule_read = False  # a lazy instance (the banner's) reads it when asked
         self._renew_at = 0.0
         self._standby_reason: str | None = None
+        # When the last tick brought the entries' counts up to date (sending or passing what
+        # was due), by the wall clock: a host suspended, or the process stopped, stops both.
+        self._counted_at: datetime | None = None
         # As a worker does, beat refuses to start without the schema; a database it cannot reach
         # yet only keeps it on standby (its ticks say so).
         try:
@@ -256,7 +259,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         except FenceDatabaseError as exc:
             log.warning(
                 "beat could not read the slots claimed before it led %s; crontab entries "
-                "count from their next occurrence: %s",
+                "count from their next occurrence, and interval slots nobody sent go "
+                "unreported: %s",
                 self.lease_name,
                 exc,
                 extra={"lease": self.lease_name},
@@ -269,13 +273,14 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             if isinstance(entry.schedule, schedules.crontab):
                 if _is_occurrence(entry.schedule, claimed.slot):
                     entry.last_run_at = claimed.slot.astimezone(entry.schedule.tz)
-            else:
+            elif slot_of(entry, claimed.slot) == claimed.slot:
+                # Not for a slot off the entry's grid now: its period changed since.
                 self._say_missed(entry, claimed.slot, now)
 
     def _say_missed(self, entry: ScheduleEntry, claimed: datetime, now: datetime) -> None:
         """Log and count the slots of an interval entry after ``claimed`` (its latest claim)
-        that this leader, taking the lease at ``now``, does not send: they began while no
-        instance led, the last of them more than half a period before ``now``."""
+        that this leader, taking the lease at ``now``, does not send: no instance sent them, and
+        the last of them began more than half a period before ``now``."""
         step = timedelta(seconds=_slot_seconds(entry))
         start = slot_of(entry, now)
         due_now = entry.schedule.maybe_make_aware(entry.last_run_at) < start
@@ -285,8 +290,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             return
         self.fence.store.metrics.incr("beat.slots_missed", missed)
         log.warning(
-            "beat leads %s without sending %d slot(s) of %r, %s to %s: they began while no "
-            "instance led, the last more than half a period ago; next slot %s",
+            "beat leads %s without sending %d slot(s) of %r, %s to %s: no instance sent them, "
+            "and the last began more than half a period ago; next slot %s",
             self.lease_name,
             missed,
             entry.name,
@@ -325,8 +330,10 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.lead()
         if self.lease is None:
             self._pass_due_entries()
+            self._counted_at = datetime.now(timezone.utc)
             return float(self.renew_interval)
         interval: float = super().tick(*args, **kwargs)
+        self._counted_at = datetime.now(timezone.utc)
         return min(interval, self._until_renewal())
 
     def lead(self) -> None:
@@ -334,7 +341,6 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         A leader whose maximum hold would run out before its next renewal gives the lease up
         and takes it again at the next epoch, so that no slot passes while nobody leads."""
         lease = self.lease
-        continuing = False
         if lease is not None:
             if self._until_renewal() <= 0 or not lease.trusted:
                 self._renew()
@@ -367,7 +373,6 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 )
                 return
             self.lease = None
-            continuing = True
         purpose = self.purpose
         try:
             got = self.fence.store.acquire(
@@ -410,20 +415,22 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
                 "epochs must only grow"
             )
             return
-        on_standby = self._standby_reason is not None
         self._take(got.lease)
-        if not continuing:
-            if on_standby:
-                # Passed as on standby first: a standby that was stopped (SIGSTOP, a suspended
-                # host) counts its entries from where it stopped, and would otherwise send a
-                # slot that began more than half a period ago.
-                self._pass_due_entries()
-            self._catch_up()
-            # Celery's heap still holds the entries as they were when this instance last led: on
-            # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its
-            # heap only when an entry's task, arguments, options or schedule change, never for a
-            # new last run. Left as it was, the heap would send at once what came due meanwhile.
-            self._heap = None
+        counted = self._counted_at
+        if counted is not None and (
+            datetime.now(timezone.utc) - counted > timedelta(seconds=2 * self.renew_interval)
+        ):
+            # Ticks come at most a renew interval apart: this instance was stopped (SIGSTOP, a
+            # suspended host) and counts its entries from where it stopped. They are passed as on
+            # standby first, as the ticks it missed would have, so that it does not send a slot
+            # that began more than half a period ago.
+            self._pass_due_entries()
+        self._catch_up()
+        # Celery's heap still holds the entries as they were when this instance last led: on
+        # standby, _pass_due_entries replaced them in the schedule, but Celery rebuilds its heap
+        # only when an entry's task, arguments, options or schedule change, never for a new
+        # last run. Left as it was, the heap would send at once what came due meanwhile.
+        self._heap = None
         log.warning(
             "beat leads %s at epoch %d as %s",
             self.lease_name,
