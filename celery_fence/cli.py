@@ -443,8 +443,11 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 
 
 def _given_back(store: LeaseStore, lease: Lease) -> str:
-    """Release (if it can) a lease whose token no one was told; say which it did."""
+    """Release (if it can) a lease whose token no one was told; say which it did. One whose
+    TTL ran out meanwhile is left to expire: its release would be a stale run."""
     what = f"lease {lease.name} epoch {lease.epoch}"
+    if not lease.trusted:
+        return f"{what} was won, and runs out by {_cell(lease.expires_at)} unused"
     try:
         store.release(lease)
     except FenceError as exc:

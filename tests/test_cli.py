@@ -343,6 +343,23 @@ def test_an_acquisition_whose_answer_cannot_be_written_gives_the_lease_back(
     assert (owner.holder, owner.epoch, owner.state) == ("a", 1, "released")
 
 
+def test_an_acquisition_whose_answer_cannot_be_written_in_its_ttl_is_left_to_expire(
+    database_url: str, store: LeaseStore
+) -> None:
+    """Its TTL has run out by the time the answer fails: a release would be a stale one,
+    recorded as such; the lease is left to expire instead."""
+    args = ("acquire", "job", "--holder", "a", "--ttl", "0.001")
+    result = run_with_stdout(database_url, "full", *args)
+    assert result.returncode == ExitCode.ERROR, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("Error: cannot write to stdout: "), line
+    assert re.search(r"; lease job epoch 1 was won, and runs out by \S+ unused$", line), line
+    owner = store.owner("job")
+    assert owner is not None
+    assert (owner.holder, owner.epoch, owner.state) == ("a", 1, "expired")
+    assert store.stale_runs() == []
+
+
 def test_a_losers_answer_that_cannot_be_written_is_one_line(
     database_url: str, store: LeaseStore
 ) -> None:
