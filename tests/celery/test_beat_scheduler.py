@@ -590,6 +590,18 @@ def lead_until(
         frozen.tick(1)
 
 
+def lead_alone(app: Celery, frozen: FrozenDateTimeFactory, until: str) -> FencedScheduler:
+    """Start a scheduler of ``app``, tick it every second until ``until`` (HH:MM:SS), which it
+    must lead by, and close it."""
+    beat = FencedScheduler(app=app, lazy=False)
+    try:
+        lead_until(beat, frozen, until)
+        assert beat.lease is not None
+    finally:
+        beat.close()
+    return beat
+
+
 def fail_over(
     app: Celery, *, leader_stops: str, lease_holds: str, takes_over: str, leads_until: str
 ) -> list[tuple[str, str, bool]]:
@@ -732,12 +744,7 @@ def test_a_takeover_does_not_count_slots_off_the_entrys_grid_as_missed(
             },
         )
     with freeze_time("2030-01-01T10:05:40+00:00", ignore=["_pytest.timing"]) as frozen:
-        beat = FencedScheduler(app=clocked_app, lazy=False)
-        try:
-            lead_until(beat, frozen, "10:06:10")
-            assert beat.lease is not None
-        finally:
-            beat.close()
+        beat = lead_alone(clocked_app, frozen, "10:06:10")
     assert "without sending" not in caplog.text
     assert fake_store.metrics.get("beat.slots_missed") == 0
     slots = sorted(d.slot.strftime("%H:%M:%S") for d in fake_store.dispatches(beat.lease_name))
@@ -916,12 +923,7 @@ def test_a_takeover_does_not_catch_up_a_crontab_that_changed_since_its_latest_sl
             ENTRY: {"task": "example.plan_retention", "schedule": crontab("1,3")}
         }
         frozen.move_to("2030-01-01T10:04:10+00:00")
-        after = FencedScheduler(app=clocked_app, lazy=False)
-        try:
-            lead_until(after, frozen, "10:05:00")
-            assert after.lease is not None
-        finally:
-            after.close()
+        after = lead_alone(clocked_app, frozen, "10:05:00")
     assert [d.slot.strftime("%H:%M") for d in fake_store.dispatches(after.lease_name)] == ["10:00"]
 
 
