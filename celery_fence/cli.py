@@ -443,8 +443,9 @@ def _line_up(store: LeaseStore, name: str, barrier: Path) -> None:
 
 
 def _given_back(store: LeaseStore, lease: Lease) -> str:
-    """Release (if it can) a lease whose token no one was told; say which it did. One whose
-    TTL ran out meanwhile is left to expire: its release would be a stale run."""
+    """Release (if it can) a lease whose token no one was told; say which it did. One this
+    process no longer trusts (its TTL, less the safety margin, ran out meanwhile) is left to
+    expire: its release could be a stale run."""
     what = f"lease {lease.name} epoch {lease.epoch}"
     if not lease.trusted:
         return f"{what} was won, and runs out by {_cell(lease.expires_at)} unused"
@@ -500,11 +501,14 @@ def acquire(
     the lease it won back, and exits 1.
     """
     store = settings.store()
+    # Refused now: before the database is asked anything, and before every client lined up.
+    store.check_acquisition(
+        name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose, wait=wait
+    )
+    # A schema older than this package may grant the lease and then refuse to renew or
+    # release it.
+    store.check_schema(name_database=False)
     if start_barrier is not None:
-        # Refused now, not once every client lined up.
-        store.check_acquisition(
-            name, holder=holder, ttl=ttl, max_hold=max_hold, purpose=purpose, wait=wait
-        )
         _line_up(store, name, start_barrier)
     try:
         got = store.acquire(
@@ -1041,6 +1045,8 @@ def canary(settings: Settings, clients: int, name: str, ttl: float) -> None:
     store = settings.store()
     # Checked as each racing client will check it, so that a bad TTL is refused before the seed.
     validation.check_seconds(ttl, "ttl", maximum=store.max_ttl)
+    validation.check_name(name)
+    store.check_schema(name_database=False)
     seed = _seed(store, name)
     echo(
         f"canary: {seed.holder} holds {name} at epoch {seed.epoch} "

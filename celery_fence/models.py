@@ -48,8 +48,9 @@ class Owner:
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> Owner:
-        """The owner :meth:`to_fields` gave ``fields`` for. Raises ``TypeError`` or
-        ``ValueError`` for anything else."""
+        """The owner :meth:`to_fields` gave ``fields`` for. Raises ``TypeError`` for a missing
+        or unknown field and ``ValueError`` for a time that is not ISO 8601; the other values
+        are taken as given."""
         values = dict(fields)
         for key in _OWNER_TIMES:
             if isinstance(values.get(key), str):

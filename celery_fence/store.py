@@ -494,6 +494,15 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _a_lease(value: object, what: str) -> Lease:
+    """``value`` if it is a :class:`Lease`, else the error ``what`` (the call) raises."""
+    if not isinstance(value, Lease):
+        raise ConfigurationError(
+            f"{what} needs a Lease (an acquisition's .lease), got {_qualified(value)}"
+        )
+    return value
+
+
 def _qualified(value: object) -> str:
     kind = type(value)
     return f"{kind.__module__}.{kind.__qualname__}"
@@ -604,6 +613,13 @@ class LeaseStore:
         pool_size: int = 5,
         max_connections: int | None = None,
     ) -> None:
+        if not isinstance(engine, Engine):
+            raise ConfigurationError(
+                f"LeaseStore needs a SQLAlchemy Engine, got {_qualified(engine)} (a URL goes to "
+                "LeaseStore.from_url)"
+            )
+        if clock is not None and not callable(clock):
+            raise ConfigurationError(f"clock must be callable, got {_qualified(clock)}")
         self.engine = engine
         self.clock = clock
         self.max_ttl = validation.check_seconds(
@@ -723,11 +739,12 @@ class LeaseStore:
                 ) from exc
             raise _wrap(exc) from exc
 
-    def check_schema(self) -> int:
+    def check_schema(self, *, name_database: bool = True) -> int:
         """Return the installed schema version; raise :class:`SchemaNotInstalledError` when the
         schema is missing or older than this package's migrations. Its errors (those of a
         database it cannot reach too) name the database: its URL as :func:`shown_url` shows
-        it, passwords hidden."""
+        it, passwords hidden; ``name_database=False`` leaves it out, for a caller that names
+        the database itself."""
         try:
             rows = self._rows("schema_version", {})
             version = rows[0]["version"] if rows else None
@@ -737,6 +754,8 @@ class LeaseStore:
                     f"{_sql.latest_version()}; run `celery-fence install`"
                 )
         except FenceDatabaseError as exc:
+            if not name_database:
+                raise
             raise type(exc)(f"{exc} [database {shown_url(self.engine.url)}]") from exc.__cause__
         return int(version)
 
@@ -931,6 +950,7 @@ class LeaseStore:
         when fenced writers kept the lease's row locked past ``lock_timeout``: the lease is
         unchanged, and the renewal may be tried again.
         """
+        lease = _a_lease(lease, "renew")
         ttl_seconds = self._ttl(lease.ttl if ttl is None else ttl)
         started = time.monotonic()
         params = {**self._holder_params(lease, enforce=enforce), "ttl": ttl_seconds}
@@ -947,7 +967,7 @@ class LeaseStore:
         it, ``"left"``, while others hold it. Raises :class:`FenceDatabaseError` when fenced
         writers kept the lease's row locked past ``lock_timeout``: the lease is unchanged (it
         runs out at its expiry), and the release may be tried again."""
-        params = self._holder_params(lease, enforce=enforce)
+        params = self._holder_params(_a_lease(lease, "release"), enforce=enforce)
         row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
         if outcome not in get_args(Released):
@@ -972,7 +992,7 @@ class LeaseStore:
             "epoch": lease.epoch,
             "token": lease.token,
             "holder": lease.holder,
-            "enforced": enforce,
+            "enforced": validation.check_flag(enforce, "enforce"),
             "now": self._now(),
             "lock_timeout": self.lock_timeout,
             "environment": self._fallback_environment(lease),
@@ -1039,7 +1059,7 @@ class LeaseStore:
         environment, or ``environment`` for a lease that does not exist (``missing``)."""
         try:
             proof_bytes = bytes.fromhex(proof)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise ConfigurationError(f"proof must be hex, got {proof!r}") from exc
         ttl_seconds = self._ttl(ttl)
         name = validation.check_name(name)
@@ -1051,7 +1071,7 @@ class LeaseStore:
             "proof": proof_bytes,
             "ttl": ttl_seconds,
             "action": self._action(action),
-            "enforced": enforce,
+            "enforced": validation.check_flag(enforce, "enforce"),
             "now": self._now(),
             "lock_timeout": self.lock_timeout,
             "environment": self._optional_environment(environment),
@@ -1105,10 +1125,8 @@ class LeaseStore:
         REPEATABLE READ or SERIALIZABLE leaves the caller's transaction to commit.
         """
         action = self._action(action)
-        if not isinstance(lease, Lease):
-            raise ConfigurationError(
-                f"guard needs a Lease (an acquisition's .lease), got {_qualified(lease)}"
-            )
+        _a_lease(lease, "guard")
+        validation.check_flag(enforce, "enforce")
         guarded = _guarded(conn)
         connection = _connection(guarded)
         # The check runs on the DB-API connection under ``conn``, inside its transaction.
@@ -1351,7 +1369,7 @@ class LeaseStore:
                 "reason": validation.check_choice(reason, "reason", _STALE_REASONS),
                 "action": self._action(action),
                 "environment": self._environment(environment),
-                "enforced": enforced,
+                "enforced": validation.check_flag(enforced, "enforced"),
                 "now": self._now(),
             },
         )
@@ -1379,6 +1397,9 @@ class LeaseStore:
         paused former leader's) waits no longer than ``lock_timeout`` or the lease's time left:
         then :class:`FenceDatabaseError`, and nothing is claimed.
         """
+        _a_lease(lease, "claim_slot")
+        if not isinstance(slot, datetime) or slot.utcoffset() is None:
+            raise ConfigurationError(f"slot must be a timezone-aware datetime, got {slot!r}")
         params = {
             "schedule": lease.name,
             "entry": validation.check_entry(entry),

@@ -70,6 +70,13 @@ def check_epoch(value: object) -> int:
     return value
 
 
+def check_flag(value: object, what: str) -> bool:
+    """Return ``value`` if it is a bool: 0, 1 and ``"no"`` are refused, not taken for one."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     """Return ``value`` if it is one of ``choices``."""
     if not isinstance(value, str) or value not in choices:

@@ -137,6 +137,29 @@ def test_schema_not_installed_is_one_line(empty_database_url: str) -> None:
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", ["acquire", "canary"])
+def test_a_schema_older_than_the_package_grants_no_lease(
+    database_url: str, store: LeaseStore, command: str
+) -> None:
+    """An older schema may grant a lease it then cannot renew or release: acquire (and the
+    canary, which acquires) refuse it first, naming both versions."""
+    latest = _sql.latest_version()
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("DELETE FROM celery_fence.migrations WHERE version = :v"), {"v": latest}
+        )
+    args = ["job", "--holder", "a", "--ttl", "30"] if command == "acquire" else ["--name", "job"]
+    result = cli(database_url, command, *args)
+    assert_error(
+        result,
+        ExitCode.ERROR,
+        f"celery-fence schema is at version {latest - 1}, this package needs {latest}; run "
+        f"`celery-fence install` [database {database_url}]",
+    )
+    assert result.stdout == ""
+    assert store.owner("job") is None
+
+
 def test_version() -> None:
     result = cli(None, "--version")
     assert result.exit_code == 0
@@ -1013,6 +1036,10 @@ def test_a_canary_ttl_the_clients_would_refuse_is_bad_input_before_the_seed(
     assert_error(result, ExitCode.USAGE, "ttl must be")
     assert result.stdout == ""
     assert store.owner("canary") is None
+
+
+def test_a_canary_name_is_checked_before_the_database_is_asked() -> None:
+    assert_error(cli(UNREACHABLE, "canary", "--name", " x"), ExitCode.USAGE, "lease name must not")
 
 
 def test_a_canary_ttl_below_its_floor_is_bad_input_before_the_seed(

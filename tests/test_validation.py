@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from celery_fence import ConfigurationError, Lease, LeaseStore
+from celery_fence import Acquisition, ConfigurationError, Lease, LeaseStore
 
 BAD_TEXT = {
     "empty": "",
@@ -169,6 +169,39 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "rejoin ttl nan": lambda s: s.rejoin(
         "x", epoch=1, holder="h", mode="join", proof="00", ttl=math.nan, action="a"
     ),
+    "rejoin proof not a string": rejoin(proof=5),
+    # A flag must be a bool: 0 would reach the database as a smallint, "no" as false.
+    **{
+        f"{call} {flag} {value!r}": make(value)
+        for value in (0, 1, "no", None)
+        for call, flag, make in (
+            ("renew", "enforce", lambda v: lambda s: s.renew(a_lease(), enforce=v)),
+            ("release", "enforce", lambda v: lambda s: s.release(a_lease(), enforce=v)),
+            ("rejoin", "enforce", lambda v: rejoin(enforce=v)),
+            ("record_stale_run", "enforced", lambda v: record_stale_run(enforced=v)),
+        )
+    },
+    "renew not a lease": lambda s: s.renew("release:prod"),  # type: ignore[arg-type]
+    "renew not a lease, with a ttl": lambda s: s.renew("release:prod", ttl=5),  # type: ignore[arg-type]
+    "renew an acquisition": lambda s: s.renew(
+        Acquisition(outcome="held", lease=None, owner=None)  # type: ignore[arg-type]
+    ),
+    "release None": lambda s: s.release(None),  # type: ignore[arg-type]
+    "claim_slot not a lease": lambda s: s.claim_slot(
+        None,  # type: ignore[arg-type]
+        entry="e",
+        slot=datetime(2030, 1, 1, tzinfo=timezone.utc),
+        task="t",
+    ),
+    "claim_slot slot a string": lambda s: s.claim_slot(
+        a_lease(),
+        entry="e",
+        slot="now",  # type: ignore[arg-type]
+        task="t",
+    ),
+    "claim_slot slot naive": lambda s: s.claim_slot(
+        a_lease(), entry="e", slot=datetime(2030, 1, 1), task="t"
+    ),
 }
 
 
@@ -291,6 +324,7 @@ BAD_STORES: dict[str, dict[str, Any]] = {
     "max_connections below pool_size": {"pool_size": 3, "max_connections": 2},
     "max_connections float": {"max_connections": 12.0},
     "max_connections bool": {"pool_size": 1, "max_connections": True},
+    "clock not callable": {"clock": 5},
 }
 
 
@@ -299,6 +333,12 @@ def test_impossible_store_settings_are_refused(settings: dict[str, Any]) -> None
     engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
     with pytest.raises(ConfigurationError):
         LeaseStore(engine, **settings)
+
+
+@pytest.mark.parametrize("engine", [None, "postgresql://postgres@127.0.0.1:1/none"])
+def test_a_store_needs_an_engine(engine: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"^LeaseStore needs a SQLAlchemy Engine, got "):
+        LeaseStore(engine)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -257,6 +257,9 @@ def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
         ({"renew_interval": 0}, "renew_interval must be greater than 0 seconds, got 0"),
         ({"renew_interval": "10"}, "renew_interval must be a number of seconds"),
         ({"min_hold": -1}, "min_hold must be 0 or more seconds, got -1"),
+        # An empty template would be taken for no environment: fence_environment's.
+        ({"environment": ""}, "environment must not be empty"),
+        ({"environment": 5}, "environment must be a string"),
     ],
 )
 def test_decorator_rejects_bad_options_at_declaration(

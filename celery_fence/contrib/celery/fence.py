@@ -346,7 +346,12 @@ class Fence:
             "fence_lease": validation.check_text(
                 lease, "lease", max_length=validation.MAX_TEXT_LENGTH
             ),
-            "fence_environment": environment,
+            # None for fence_environment; an empty template would be taken for none.
+            "fence_environment": None
+            if environment is None
+            else validation.check_text(
+                environment, "environment", max_length=validation.MAX_TEXT_LENGTH
+            ),
             "fence_ttl": _seconds_or_none(ttl, "ttl", validation.MAX_TTL_SECONDS),
             "fence_max_hold": _seconds_or_none(max_hold, "max_hold", validation.MAX_HOLD_SECONDS),
             # 0 (or None) for none.
