@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -30,7 +31,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.engine import Engine, make_url
 
-from celery_fence import ConfigurationError, LeaseStore, SchemaNotInstalledError, validation
+from celery_fence import (
+    Acquisition,
+    ConfigurationError,
+    LeaseStore,
+    SchemaNotInstalledError,
+    validation,
+)
 from celery_fence.contrib.celery import HEADER, Fence
 from celery_fence.contrib.celery.beat import FencedScheduler, slot_of
 
@@ -692,12 +699,14 @@ def test_a_beat_that_takes_over_says_which_interval_slots_nobody_sent(
     assert fake_store.metrics.get("beat.slots_missed") == len(missed)
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["prompt answer", "slow answer"])
 def test_a_standby_that_takes_over_as_an_occurrence_falls_sends_it(
-    clocked_app: Celery, fake_store: LeaseStore
+    clocked_app: Celery, fake_store: LeaseStore, monkeypatch: pytest.MonkeyPatch, slow: bool
 ) -> None:
     """A standby that ticked a second ago takes over at 10:05:00, just as a crontab entry no one
-    sent before comes due: it sends it. Only an instance that missed ticks (stopped) passes its
-    entries first."""
+    sent before comes due: it sends it, also when the acquisition's answer took 11 s (more than
+    two renew intervals). Only an instance that missed ticks (stopped) passes its entries
+    first."""
     clocked_app.conf.beat_schedule = {
         "at-five": {"task": "example.report", "schedule": crontab(minute="5")}
     }
@@ -709,6 +718,16 @@ def test_a_standby_that_takes_over_as_an_occurrence_falls_sends_it(
             owner = fake_store.owner(leader.lease_name)
             assert owner is not None
             assert owner.expires_at == datetime(2030, 1, 1, 10, 5, tzinfo=timezone.utc)
+            if slow:
+                acquire = fake_store.acquire
+
+                def slow_acquire(*args: Any, **kwargs: Any) -> Acquisition:
+                    got = acquire(*args, **kwargs)
+                    if got.acquired:
+                        frozen.tick(11)
+                    return got
+
+                monkeypatch.setattr(fake_store, "acquire", slow_acquire)
             lead_until(standby, frozen, "10:05:01")
             assert standby.lease is not None
         finally:
@@ -1010,9 +1029,25 @@ print(digest(day + timedelta(minutes=5)), digest(day + timedelta(minutes=10)),
     assert len(set(line.split())) == 3
 
 
+@pytest.mark.parametrize(
+    ("every", "slots"),
+    [
+        (crontab("*/2"), ["10:00", "10:02", "10:04"]),
+        (timedelta(minutes=1), ["10:00", "10:01", "10:02", "10:03", "10:04"]),
+    ],
+    ids=["crontab", "interval"],
+)
 def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without_a_gap(
-    clocked_app: Celery, fake_store: LeaseStore
+    clocked_app: Celery,
+    fake_store: LeaseStore,
+    caplog: pytest.LogCaptureFixture,
+    every: object,
+    slots: list[str],
 ) -> None:
+    """Taken again at once, the lease was never away: the leader keeps its count, and asks to
+    claim no slot it sent already."""
+    caplog.set_level(logging.INFO, "celery_fence")
+    clocked_app.conf.beat_schedule = {ENTRY: {"task": "example.plan_retention", "schedule": every}}
     clocked_app.conf.fence_beat_max_hold = 120
     with freeze_time("2030-01-01T09:59:30+00:00", ignore=["_pytest.timing"]) as frozen:
         beat = FencedScheduler(app=clocked_app, lazy=False)
@@ -1041,11 +1076,8 @@ def test_a_leader_whose_maximum_hold_runs_out_leads_on_at_the_next_epoch_without
     ]
     assert all(entry.ended_at < entry.acquired_at + timedelta(seconds=120) for entry in history)
     dispatched = fake_store.dispatches(beat.lease_name)
-    assert sorted(d.slot.strftime("%H:%M") for d in dispatched) == [
-        "10:00",
-        "10:02",
-        "10:04",
-    ]
+    assert sorted(d.slot.strftime("%H:%M") for d in dispatched) == slots
+    assert "already dispatched" not in caplog.text
 
 
 def test_a_leader_whose_renewals_fail_retries_at_a_pace_until_its_deadline_then_steps_down(
