@@ -515,6 +515,23 @@ def test_busy_retries_are_counted_apart_from_the_task_own_retries(
     assert "override_max_retries" not in vars(publish)
 
 
+def test_an_eager_or_direct_run_checks_the_tasks_timings_as_a_worker_would(
+    fence: Fence, store: LeaseStore
+) -> None:
+    """Without a worker's start-up check, the error still names the option at fault."""
+
+    @fence.task(lease="release", ttl=10, min_hold=10_000)
+    def publish() -> None:
+        raise AssertionError("the body of a refused run ran")
+
+    message = rf"^{publish.name} min_hold must be at most 3600 seconds \(the fence_max_ttl"
+    with pytest.raises(ConfigurationError, match=message):
+        publish()
+    with pytest.raises(ConfigurationError, match=message):
+        publish.apply().get()
+    assert store.owner("release") is None
+
+
 def test_an_eager_busy_retry_fails_at_once(fence: Fence, store: LeaseStore) -> None:
     """Run eagerly, a retry would run again at once, not at the owner's expiry: the task fails
     with LeaseHeldError, and its own retries are left alone."""

@@ -499,6 +499,10 @@ class Fence:
         """Take the task's lease for this run. ``since``: the epoch of it an earlier delivery of
         this message took, when known other than by the ``WAITING`` header."""
         settings = self.settings
+        if task.request.called_directly or task.request.is_eager:
+            # No worker checked this task's timings when it started (check_startup): the errors
+            # name the option, not the TTL the store would refuse.
+            task.check_timing(settings)
         ttl = task.lease_ttl(settings)
         interval = task.renew_interval(settings, ttl)
         if since is None and task.waited_for() is None and task.redelivered():
