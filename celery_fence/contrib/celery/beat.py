@@ -182,8 +182,6 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         # When the last tick brought the entries' counts up to date (sending or passing what
         # was due), by the wall clock: a host suspended, or the process stopped, stops both.
         self._counted_at: datetime | None = None
-        # Whether this tick began more than two renew intervals after the last one ended.
-        self._missed_ticks = False
         # As a worker does, beat refuses to start without the schema; a database it cannot reach
         # yet only keeps it on standby (its ticks say so).
         try:
@@ -329,12 +327,6 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         if self.halted is not None:
             log.critical("beat halted, not scheduling: %s", self.halted)
             return float(self.max_interval)
-        # Judged when the tick begins: the time its own calls take (a slow acquisition) is not
-        # time this instance was stopped.
-        counted = self._counted_at
-        self._missed_ticks = counted is not None and (
-            datetime.now(timezone.utc) - counted > timedelta(seconds=2 * self.renew_interval)
-        )
         self.lead()
         if self.lease is None:
             self._pass_due_entries()
@@ -348,6 +340,13 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         """Renew the lease when due, or try to take it; step down or halt as the answers say.
         A leader whose maximum hold would run out before its next renewal gives the lease up
         and takes it again at the next epoch, so that no slot passes while nobody leads."""
+        # Whether this instance missed ticks (they come at most a renew interval apart), judged
+        # before this call's own requests: the time they take (a slow acquisition) is not time
+        # it was stopped.
+        counted = self._counted_at
+        stopped = counted is not None and (
+            datetime.now(timezone.utc) - counted > timedelta(seconds=2 * self.renew_interval)
+        )
         lease = self.lease
         continuing = False
         if lease is not None:
@@ -429,11 +428,11 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         # Taken again at once after its maximum hold, the lease was never away: what this
         # instance counted holds (a catch-up would make the slot it just sent due again).
         if not continuing:
-            if self._missed_ticks:
-                # Ticks come at most a renew interval apart: this instance was stopped (SIGSTOP,
-                # a suspended host) and counts its entries from where it stopped. They are passed
-                # as on standby first, as the ticks it missed would have, so that it does not
-                # send a slot that began more than half a period ago.
+            if stopped:
+                # Stopped (SIGSTOP, a suspended host), this instance counts its entries from
+                # where it stopped. They are passed as on standby first, as the ticks it missed
+                # would have, so that it does not send a slot that began more than half a period
+                # ago.
                 self._pass_due_entries()
             self._catch_up()
             # Celery's heap still holds the entries as they were when this instance last led: on
