@@ -377,10 +377,11 @@ _EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
 
 # The Connections and Sessions inside guard blocks, each with how many: their commits are refused.
 _GUARDED: weakref.WeakKeyDictionary[sa.Connection | Session, int] = weakref.WeakKeyDictionary()
-# The engines whose Connections' commits are watched, and those whose transactions' ends are
-# (listened to once each), and whether the Sessions' commits are.
+# The engines whose Connections' commits are watched, those whose transactions' ends are, and
+# those whose statements are (listened to once each), and whether the Sessions' commits are.
 _WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _ENDS_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+_STATEMENTS_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _watching_sessions = False
 _WATCH_LOCK = threading.Lock()
 # The fence checks passed in each Connection's current transaction (the store that checked, the
@@ -388,6 +389,100 @@ _WATCH_LOCK = threading.Lock()
 # lease's expiry.
 _Checked = tuple["LeaseStore", Lease, str]
 _CHECKED: weakref.WeakKeyDictionary[sa.Connection, list[_Checked]] = weakref.WeakKeyDictionary()
+
+
+class _Block:
+    """What a guard block has seen of its Connection's statements: whether one ran since the
+    transaction began (or rolled back), and the savepoints SQLAlchemy opened in it and has not
+    closed yet; for a Session, the nested transactions open when it began (a Session emits the
+    savepoint of one begun in the block only at its next statement)."""
+
+    def __init__(self, guarded: sa.Connection | Session) -> None:
+        self.ran = False
+        self.savepoints: list[str] = []
+        self.nested: list[Any] = []
+        if isinstance(guarded, Session):
+            transaction = guarded.get_nested_transaction()
+            while transaction is not None:
+                self.nested.append(transaction)
+                transaction = transaction.parent
+
+
+# The guard blocks open on each Connection, innermost last.
+_BLOCKS: weakref.WeakKeyDictionary[sa.Connection, list[_Block]] = weakref.WeakKeyDictionary()
+# A statement that begins, ends or splits a transaction; a comment may come first.
+_TRANSACTION_CONTROL = re.compile(
+    r"(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
+    r"(COMMIT|END|ROLLBACK|ABORT|SAVEPOINT|RELEASE|PREPARE\s+TRANSACTION)\b",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def _watch_statement(
+    conn: sa.Connection, _cursor: Any, statement: str, _parameters: Any, context: Any, _many: Any
+) -> None:
+    """A ``before_cursor_execute`` listener for the guard blocks open on ``conn``: SQLAlchemy's
+    own savepoints are followed as they open and close; any other statement that would end or
+    split the transaction (``COMMIT``, ``ROLLBACK``, ``SAVEPOINT``, ...) is refused before it
+    runs, as a commit is; the rest are noted as run."""
+    blocks = _BLOCKS.get(conn)
+    if not blocks:
+        return
+    clause = getattr(getattr(context, "compiled", None), "statement", None)
+    if isinstance(clause, sa.sql.elements.SavepointClause):
+        for block in blocks:
+            block.savepoints.append(clause.ident)
+        return
+    if isinstance(
+        clause, (sa.sql.elements.ReleaseSavepointClause, sa.sql.elements.RollbackToSavepointClause)
+    ):
+        # Closed, with the savepoints opened inside it.
+        for block in blocks:
+            if clause.ident in block.savepoints:
+                del block.savepoints[block.savepoints.index(clause.ident) :]
+        return
+    control = _TRANSACTION_CONTROL.match(statement)
+    if control is not None:
+        raise ConfigurationError(
+            f"{' '.join(control.group(1).upper().split())} refused inside a guard block: the "
+            "fence check runs in the block's transaction when the block ends; commit after the "
+            "block, and use SQLAlchemy's begin_nested() for savepoints"
+        )
+    for block in blocks:
+        block.ran = True
+
+
+def _rolled_back(conn: sa.Connection) -> None:
+    """The transaction rolled back through SQLAlchemy: what the blocks' statements wrote is
+    gone, and with it any savepoint."""
+    for block in _BLOCKS.get(conn, ()):
+        block.ran = False
+        block.savepoints.clear()
+
+
+def _check_block(
+    block: _Block, guarded: sa.Connection | Session, connection: sa.Connection, action: str
+) -> None:
+    """Refuse to check a guard block whose transaction is no longer the one its writes went
+    to: one ended inside the block past SQLAlchemy (the DB-API connection's ``commit()``), or
+    one whose check would run inside a savepoint the block opened and left open, which a
+    rollback to it after the block would undo, locks and all."""
+    nested = guarded.get_nested_transaction() if isinstance(guarded, Session) else None
+    if block.savepoints or not (nested is None or any(nested is t for t in block.nested)):
+        raise ConfigurationError(
+            f"guard block for {action!r} left a nested transaction (savepoint) open: the fence "
+            "check would run inside it, and a rollback to it after the block would release the "
+            "check's locks; close nested transactions inside the block"
+        )
+    if not block.ran:
+        return
+    status = _cursor(connection).connection.info.transaction_status
+    if status == type(status).IDLE:
+        raise ConfigurationError(
+            f"guard block for {action!r}: its transaction ended inside the block, past "
+            "SQLAlchemy (a commit or rollback of the DB-API connection), so what it wrote before "
+            "that was not fenced; commit after the block"
+        )
 
 
 def _commit_refused() -> ConfigurationError:
@@ -448,6 +543,17 @@ def _watch_commits(guarded: sa.Connection | Session) -> None:
         _WATCHED_ENGINES,
         ("commit", _refuse_commit),
         ("prepare_twophase", _refuse_commit),
+    )
+
+
+def _watch_statements(connection: sa.Connection) -> None:
+    """Have the statements and rollbacks of ``connection``'s engine seen by the guard
+    blocks open on its Connections (see :class:`_Block`)."""
+    _listen_once(
+        connection.engine,
+        _STATEMENTS_WATCHED_ENGINES,
+        ("before_cursor_execute", _watch_statement),
+        ("rollback", _rolled_back),
     )
 
 
@@ -1115,9 +1221,11 @@ class LeaseStore:
         :class:`StaleEpochError`, which rolls the caller's transaction back; the stale run is
         recorded on the store's own connection, so the record survives that rollback. The
         commit comes after the block: one inside it (of ``conn``'s transaction) is refused with
-        :class:`ConfigurationError`. A transaction the server ends for idling past the lease's
-        expiry (the check's idle limit) fails at its commit with :class:`StaleEpochError`,
-        recorded.
+        :class:`ConfigurationError`, as is SQL sent through SQLAlchemy that would end or split
+        the transaction (``COMMIT``, ``SAVEPOINT``, ...) and a block that leaves a savepoint
+        open or had its transaction ended underneath SQLAlchemy. A transaction the server ends
+        for idling past the lease's expiry (the check's idle limit) fails at its commit with
+        :class:`StaleEpochError`, recorded.
 
         With ``enforce=False`` (shadow mode) the check and the record happen, but nothing is
         blocked, and a stale write is recorded once (the database's reason, else ``expired``
@@ -1144,15 +1252,21 @@ class LeaseStore:
                 f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
             )
         _watch_commits(guarded)
+        _watch_statements(connection)
         outer = _GUARDED.get(guarded, 0)  # guard blocks around this one
+        block = _Block(guarded)
+        blocks = _BLOCKS.setdefault(connection, [])
         try:
             _GUARDED[guarded] = outer + 1
+            blocks.append(block)
             yield lease
         finally:
+            blocks.remove(block)
             if outer:
                 _GUARDED[guarded] = outer
             else:
                 _GUARDED.pop(guarded, None)
+        _check_block(block, guarded, connection, action)
         # The block may have rolled the transaction back: a Session then has another connection.
         connection = _connection(guarded)
         cursor = _cursor(connection)

@@ -1423,6 +1423,118 @@ def test_a_two_phase_prepare_inside_the_block_is_refused(
     assert store.release(lease) == "released"
 
 
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "COMMIT",
+        "  /* done */ commit and chain",
+        "-- done\nEND",
+        "ROLLBACK",
+        "ABORT",
+        "SAVEPOINT mine",
+        "RELEASE SAVEPOINT mine",
+        "ROLLBACK TO SAVEPOINT mine",
+        "PREPARE TRANSACTION 'mine'",
+    ],
+)
+@pytest.mark.parametrize("kind", KINDS)
+def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_runs(
+    store: LeaseStore, protected: Engine, kind: str, statement: str, expire_lease: Expire
+) -> None:
+    """SQL that ends or splits the transaction, sent past SQLAlchemy's own commit and
+    savepoints, would commit writes unchecked, or put the check where a rollback undoes its
+    locks: it never reaches the server, and the block's writes roll back with the error."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+    keyword = statement.split("*/")[-1].split("\n")[-1].split()[0].upper()
+
+    def write_and_send() -> None:
+        with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "stale"})
+            conn.execute(sa.text(statement))
+
+    with pytest.raises(ConfigurationError, match=f"^{keyword}.* refused inside a guard block"):
+        write_and_send()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_commit_of_the_dbapi_connection_inside_the_block_is_named_not_taken_for_a_rejection(
+    store: LeaseStore, protected: Engine, kind: str, expire_lease: Expire
+) -> None:
+    """A commit past SQLAlchemy and its events cannot be stopped: the guard says that the
+    writes before it were not fenced, rather than claim it rejected them."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+
+    def write_and_commit_underneath() -> None:
+        with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "committed past the guard"})
+            under = conn.connection() if isinstance(conn, Session) else conn
+            under.connection.dbapi_connection.commit()
+
+    with pytest.raises(ConfigurationError, match="transaction ended inside the block"):
+        write_and_commit_underneath()
+    assert committed_values(protected) == ["initial", "committed past the guard"]
+    assert store.stale_runs() == []
+
+
+def test_a_nested_transaction_left_open_by_the_block_is_refused_before_the_check(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """Checked inside a savepoint, the lease row's lock would go with a rollback to it after the
+    block, and a successor could take the lease before the rest of the transaction commits."""
+    lease = acquire(store, "release-41")
+
+    def write_and_open_a_savepoint(conn: sa.Connection | Session) -> None:
+        with store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "before the savepoint"})
+            conn.begin_nested()  # a Session's is emitted at its next statement: the check
+
+    with protected.connect() as conn:
+        with pytest.raises(ConfigurationError, match="left a nested transaction"):
+            write_and_open_a_savepoint(conn)
+        conn.rollback()
+    with Session(protected) as session:
+        with pytest.raises(ConfigurationError, match="left a nested transaction"):
+            write_and_open_a_savepoint(session)
+        session.rollback()
+    assert committed_values(protected) == ["initial"]
+    assert store.stale_runs() == []
+    assert store.release(lease) == "released"  # at once: no check left the row locked
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nested_transactions_closed_in_the_block_or_open_around_it_are_fenced(
+    store: LeaseStore, protected: Engine, kind: str, expire_lease: Expire
+) -> None:
+    lease = acquire(store, "release-41")
+
+    def write_in_savepoints(first: str, second: str) -> None:
+        with (
+            transaction(protected, kind) as conn,
+            conn.begin_nested(),
+            store.guard(lease, conn, action="publish"),
+        ):
+            conn.execute(UPDATE, {"value": first})
+            with conn.begin_nested():
+                conn.execute(UPDATE, {"value": second})
+            inner = conn.begin_nested()
+            conn.execute(UPDATE, {"value": "rolled back inside"})
+            inner.rollback()
+
+    write_in_savepoints("in a savepoint around the block", "released inside")
+    expected = ["initial", "in a savepoint around the block", "released inside"]
+    assert committed_values(protected) == expected
+    lose("superseded", store, lease, expire_lease)
+    with pytest.raises(StaleEpochError):
+        write_in_savepoints("stale", "stale too")
+    assert protected_value(protected) == "released inside"
+    assert [run.reason for run in store.stale_runs()] == ["superseded"]
+
+
 def test_a_connection_without_a_transaction_is_fenced_in_one_sqlalchemy_begins(
     store: LeaseStore, protected: Engine
 ) -> None:
