@@ -189,3 +189,43 @@ def test_a_run_dispatched_by_beat_keeps_its_own_lease_when_the_leader_changes(
     [entry] = store.history("tick")
     assert entry.end_reason == "released"
     assert store.stale_runs() == []
+
+
+def test_a_rejected_fenced_write_tells_the_body_before_renewal_does(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait, engine: Engine
+) -> None:
+    """Paused between two renewals, the lease refuses the body's write: the run stops trusting
+    it at once (``held``, ``check()``), not at the next renewal."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
+    started, paused = threading.Event(), threading.Event()
+
+    @fence.task(lease="release:{environment}", ttl=30, renew_interval=20)
+    def publish(environment: str) -> dict[str, Any]:
+        run = fence.current()
+        seen: dict[str, Any] = {"held at start": run.held}
+        started.set()
+        assert paused.wait(10)
+        try:
+            with fence.guard("publish manifest") as conn:
+                conn.execute(INSERT, {"environment": environment})
+        except StaleEpochError as exc:
+            seen["write"] = exc.reason
+        seen["held"] = run.held
+        try:
+            run.check()
+        except StaleEpochError as exc:
+            seen["check"] = exc.reason
+        return seen
+
+    with worker():
+        result = publish.delay("prod")
+        assert started.wait(10)
+        try:
+            store.pause(NAME, reason="investigating")
+        finally:
+            paused.set()
+        seen = wait.outcome(result)
+    assert seen == {"held at start": True, "write": "paused", "held": False, "check": "paused"}
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM manifest").scalar() == 0

@@ -34,6 +34,7 @@ from celery_fence.exceptions import (
     LeaseHeldError,
     LeaseLostError,
     LeasePausedError,
+    StaleEpochError,
 )
 from celery_fence.keeper import LeaseKeeper
 from celery_fence.models import Acquisition, Lease, Owner
@@ -90,6 +91,7 @@ class FencedRun:
         self.outer: tuple[FenceHeader, ...] = ()
         self.started = time.monotonic()
         self._lease = lease
+        self._refused: StaleEpochError | None = None  # a fenced write's rejection
 
     @property
     def lease(self) -> Lease | None:
@@ -103,7 +105,10 @@ class FencedRun:
 
     @property
     def held(self) -> bool:
-        """The cooperative check: false once renewal found the lease lost or its deadline passed."""
+        """The cooperative check: false once renewal found the lease lost, a fenced write of the
+        run was rejected, or the deadline passed."""
+        if self._refused is not None:
+            return False
         if self.keeper is not None:
             return self.keeper.held
         return self._lease is not None and self._lease.trusted
@@ -114,6 +119,8 @@ class FencedRun:
         lease = self.lease
         if lease is None or self.held or not self.enforced:
             return
+        if self._refused is not None:
+            raise self._refused
         if self.keeper is not None and self.keeper.error is not None:
             raise self.keeper.error
         raise LeaseLostError(
@@ -145,8 +152,13 @@ class FencedRun:
             log.info("%r runs unfenced: this run holds no lease", action)
             yield
             return
-        with self.store.guard(lease, conn, action=action, enforce=self.enforced):
-            yield
+        try:
+            with self.store.guard(lease, conn, action=action, enforce=self.enforced):
+                yield
+        except StaleEpochError as error:
+            if error.lease_name == lease.name and error.epoch == lease.epoch:
+                self._refused = error
+            raise
 
     def header(self) -> FenceHeader | None:
         """The header tasks published from this run carry. A run without a lease passes on only
