@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
 from datetime import datetime
 from typing import Any, Literal, get_args
+from uuid import UUID
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -23,6 +24,7 @@ from celery_fence import _sql, validation
 from celery_fence.exceptions import (
     ConfigurationError,
     FenceDatabaseError,
+    FenceError,
     LeaseError,
     LeaseLostError,
     LeasePausedError,
@@ -601,11 +603,18 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _a_lease(value: object, what: str) -> Lease:
-    """``value`` if it is a :class:`Lease`, else the error ``what`` (the call) raises."""
+    """``value`` if it is a :class:`Lease` whose fields have the types an acquisition gives
+    them, else the error ``what`` (the call) raises."""
     if not isinstance(value, Lease):
         raise ConfigurationError(
             f"{what} needs a Lease (an acquisition's .lease), got {_qualified(value)}"
         )
+    validation.check_epoch(value.epoch)
+    for field, text in (("name", value.name), ("holder", value.holder)):
+        if not isinstance(text, str) or not text or "\x00" in text:
+            raise ConfigurationError(f"{what}: the lease's {field} must be text, got {text!r}")
+    if not isinstance(value.token, UUID):
+        raise ConfigurationError(f"{what}: the lease's token must be a UUID")
     return value
 
 
@@ -1182,7 +1191,13 @@ class LeaseStore:
             "lock_timeout": self.lock_timeout,
             "environment": self._optional_environment(environment),
             "successor": None if successor is None else validation.check_holder(successor),
-            "delivery_prefix": delivery_prefix or None,
+            "delivery_prefix": validation.check_text(
+                "" if delivery_prefix is None else delivery_prefix,
+                "delivery_prefix",
+                max_length=validation.MAX_NAME_LENGTH,
+                allow_empty=True,
+            )
+            or None,
         }
         started = time.monotonic()
         try:
@@ -1473,8 +1488,10 @@ class LeaseStore:
         enforced: bool = True,
     ) -> StaleRun:
         """Store a stale run the protocol functions could not record themselves (a forged or
-        malformed header, a write rejected by its holder's own deadline), log and count it."""
-        row = self._call(
+        malformed header, a write rejected by its holder's own deadline), log and count it. A
+        lock on the stale-run table (maintenance's) keeps it waiting no longer than
+        ``lock_timeout``: then :class:`FenceDatabaseError`, and nothing is recorded."""
+        (row,) = self._rows(
             "record_stale_run",
             {
                 "name": validation.check_name(name),
@@ -1486,6 +1503,7 @@ class LeaseStore:
                 "enforced": validation.check_flag(enforced, "enforced"),
                 "now": self._now(),
             },
+            lock_timeout=self.lock_timeout,
         )
         record = StaleRun(**row)
         self._report(
@@ -1512,8 +1530,7 @@ class LeaseStore:
         then :class:`FenceDatabaseError`, and nothing is claimed.
         """
         _a_lease(lease, "claim_slot")
-        if not isinstance(slot, datetime) or slot.utcoffset() is None:
-            raise ConfigurationError(f"slot must be a timezone-aware datetime, got {slot!r}")
+        validation.check_aware(slot, "slot")
         params = {
             "schedule": lease.name,
             "entry": validation.check_entry(entry),
@@ -1666,7 +1683,9 @@ class LeaseStore:
     # -- internals --------------------------------------------------------------------------
 
     def _now(self) -> datetime | None:
-        return None if self.clock is None else self.clock()
+        if self.clock is None:
+            return None
+        return validation.check_aware(self.clock(), "the store's clock reading")
 
     def _environment(self, environment: str | None) -> str:
         return validation.check_environment(
@@ -1780,10 +1799,14 @@ class LeaseStore:
         ``params``; build its error."""
         name, epoch, reason = params["name"], params["epoch"], row["reason"]
         owner = _owner(row)
-        # The environment celery_fence.record_stale_run recorded: the lease row's, or, when the
-        # row did not exist, the one the call passed, else ''.
-        environment = row["environment"]
-        if environment is None:
+        # The environment celery_fence.record_stale_run recorded: the epoch's own, which for an
+        # epoch before the current one is the lease's (the call passed it); else the row's (an
+        # epoch the lease has now, or never had); for a lease that does not exist, the call's.
+        if owner is not None and epoch < owner.epoch:
+            environment = params["environment"] or owner.environment
+        elif owner is not None:
+            environment = owner.environment
+        else:
             environment = params["environment"] or ""
         self._report(
             lease_name=name,
@@ -1818,7 +1841,7 @@ class LeaseStore:
         rejected (or, in shadow mode, let through) either way."""
         environment = self._fallback_environment(lease)
         try:
-            # The database records the lease row's own environment; the lease's is a fallback.
+            # The database records the environment of the lease's epoch, the lease's own.
             self.record_stale_run(
                 lease.name,
                 epoch=lease.epoch,
@@ -1828,7 +1851,7 @@ class LeaseStore:
                 environment=environment,
                 enforced=enforced,
             )
-        except FenceDatabaseError as exc:
+        except FenceError as exc:
             self._report(
                 lease_name=lease.name,
                 environment=environment or "",

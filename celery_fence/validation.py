@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from datetime import datetime
 
 from celery_fence.exceptions import ConfigurationError
 
@@ -67,6 +68,13 @@ def check_epoch(value: object) -> int:
     """Return ``value`` if it is an integer epoch, from 1 to :data:`MAX_EPOCH`."""
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_EPOCH:
         raise ConfigurationError(f"epoch must be an integer from 1 to {MAX_EPOCH}, got {value!r}")
+    return value
+
+
+def check_aware(value: object, what: str) -> datetime:
+    """Return ``value`` if it is a timezone-aware ``datetime``."""
+    if not isinstance(value, datetime) or value.utcoffset() is None:
+        raise ConfigurationError(f"{what} must be a timezone-aware datetime, got {value!r}")
     return value
 
 

@@ -154,6 +154,9 @@ CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(
     )
 $$;
 
+-- Records a stale run under the environment of the epoch it ran at (the lease row's for its
+-- current epoch, the history's for an earlier one); for an epoch the lease never had, under the
+-- lease's environment, and for a lease that does not exist, under the caller's.
 CREATE OR REPLACE FUNCTION celery_fence.record_stale_run(
     p_name text, p_epoch bigint, p_holder text, p_reason text, p_action text,
     p_environment text DEFAULT NULL, p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL
@@ -164,7 +167,18 @@ DECLARE
     v_row celery_fence.leases;
     v_record celery_fence.stale_runs;
 BEGIN
-    v_error := celery_fence.now_error(p_now);
+    v_error := coalesce(
+        celery_fence.name_error(p_name),
+        CASE WHEN pg_catalog.length(p_holder) > 200
+            THEN 'celery_fence: holder must be at most 200 characters' END,
+        CASE WHEN p_reason IS NULL OR p_reason NOT IN (
+                'expired', 'superseded', 'released', 'paused', 'forged', 'missing', 'malformed')
+            THEN pg_catalog.format('celery_fence: no such stale-run reason: %s', p_reason) END,
+        celery_fence.length_error(p_action, 'action', 500),
+        CASE WHEN p_environment IS NOT NULL
+            THEN celery_fence.length_error(p_environment, 'environment', 64) END,
+        celery_fence.now_error(p_now)
+    );
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -173,8 +187,14 @@ BEGIN
         recorded_at, environment, lease_name, stale_epoch, stale_holder,
         current_epoch, current_holder, reason, action, enforced
     ) VALUES (
-        coalesce(p_now, clock_timestamp()), coalesce(v_row.environment, p_environment, ''), p_name,
-        p_epoch, coalesce(p_holder, ''), v_row.epoch, v_row.holder, p_reason, p_action,
+        coalesce(p_now, clock_timestamp()),
+        coalesce(
+            CASE WHEN v_row.epoch = p_epoch THEN v_row.environment END,
+            (SELECT h.environment FROM celery_fence.lease_history h
+             WHERE h.name = p_name AND h.epoch = p_epoch),
+            v_row.environment, p_environment, ''
+        ),
+        p_name, p_epoch, coalesce(p_holder, ''), v_row.epoch, v_row.holder, p_reason, p_action,
         coalesce(p_enforced, true)
     ) RETURNING s.* INTO v_record;
     RETURN v_record;
@@ -353,7 +373,6 @@ BEGIN
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
     v_now := coalesce(p_now, clock_timestamp());
     v_reason := coalesce(celery_fence.stale_reason(v_row, p_epoch, p_token, v_now), 'expired');
-    -- The lease's own environment, or, for a lease that does not exist, the caller's.
     PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'renew', p_environment, p_enforced, p_now
     );
@@ -424,7 +443,6 @@ BEGIN
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_now);
     END IF;
     v_reason := coalesce(v_reason, 'expired');
-    -- The lease's own environment, or, for a lease that does not exist, the caller's.
     PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'release', p_environment, p_enforced, p_now
     );
@@ -559,6 +577,10 @@ BEGIN
     END IF;
     IF p_mode IS NULL OR p_mode NOT IN ('join', 'resume') THEN
         RAISE EXCEPTION 'celery_fence: mode must be join or resume, got %', p_mode
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF pg_catalog.length(p_delivery_prefix) > 200 THEN
+        RAISE EXCEPTION 'celery_fence: delivery prefix must be at most 200 characters'
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF p_mode = 'resume' THEN
@@ -713,10 +735,12 @@ BEGIN
     END IF;
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name));
     v_now := coalesce(p_now, clock_timestamp());
-    -- The epoch the pause found ends here if its holder was refused during the pause (a stale
-    -- run recorded for it, reason paused): told it lost the lease, the holder stopped trusting
-    -- it, so the lease is free for a new epoch rather than held by nobody until it runs out. A
-    -- holder that was never refused still trusts its lease, and keeps it.
+    -- The epoch the pause found ends here if its renewal was refused during the pause (a stale
+    -- renewal recorded for it, reason paused, enforced): told it lost the lease, the holder
+    -- stopped trusting it, so the lease is free for a new epoch rather than held by nobody until
+    -- it runs out. A holder whose renewal was never refused still trusts its lease, and keeps
+    -- it: a write refused in shadow mode, or a dispatched task refused at its start, tells the
+    -- holder nothing.
     UPDATE celery_fence.leases AS l SET
         paused = false, paused_reason = NULL, paused_by = NULL, paused_at = NULL,
         expires_at = CASE
@@ -724,6 +748,7 @@ BEGIN
                 SELECT 1 FROM celery_fence.stale_runs s
                 WHERE s.lease_name = l.name AND s.recorded_at >= l.paused_at
                   AND s.stale_epoch = l.epoch AND s.reason = 'paused'
+                  AND s.action = 'renew' AND s.enforced
             ) THEN least(l.expires_at, v_now)
             ELSE l.expires_at
         END

@@ -526,6 +526,40 @@ def test_a_rejection_is_recorded_also_for_a_lease_whose_environment_the_library_
     assert (run.environment, run.reason, run.stale_holder) == (ENVIRONMENT, "expired", "H")
 
 
+def test_a_rejection_that_cannot_be_recorded_in_lock_timeout_is_still_raised_and_logged(
+    engine: Engine, protected: Engine, expire_lease: Expire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lock on the stale-run table (a VACUUM FULL, a migration) keeps the record out: the
+    rejection waits for it no longer than the lock timeout, and is raised, logged and counted."""
+    store = LeaseStore(engine, lock_timeout=0.5)
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+    outcome: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with protected.begin() as conn, store.guard(lease, conn, action="publish"):
+                conn.execute(UPDATE, {"value": "stale"})
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    with engine.connect() as locker:
+        locker.exec_driver_sql("LOCK TABLE celery_fence.stale_runs IN ACCESS EXCLUSIVE MODE")
+        writer = threading.Thread(target=write)
+        with caplog.at_level(logging.ERROR, "celery_fence.stale"):
+            writer.start()
+            writer.join(WAIT)
+        assert not writer.is_alive(), "the rejection waited for the stale-run table's lock"
+        locker.rollback()
+    [error] = outcome
+    assert isinstance(error, StaleEpochError)
+    assert error.reason == "superseded"
+    assert "not recorded" in caplog.text
+    assert store.metrics.get("rejected.superseded") == 1
+    assert committed_values(protected) == ["initial"]
+    store.dispose()
+
+
 def test_a_write_waiting_on_a_row_lock_never_commits_after_the_successor_epoch(
     store: LeaseStore, protected: Engine, expire_lease: Expire
 ) -> None:

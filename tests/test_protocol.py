@@ -536,6 +536,69 @@ def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
     assert ended.ended_at == resumed.expires_at
 
 
+@pytest.mark.parametrize("refusal", ["shadow write", "renewal in shadow mode", "continuation"])
+def test_a_refusal_during_a_pause_that_told_the_holder_nothing_leaves_it_its_lease(
+    store: LeaseStore, engine: Engine, refusal: str
+) -> None:
+    """Only a refused renewal tells the holder it lost the lease. A write let through in shadow
+    mode, or a task the holder dispatched refused at its start, leaves it trusting the lease:
+    the resume keeps it held, at the same epoch."""
+    lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
+    store.pause(NAME, reason="freeze", by="ops")
+    if refusal == "shadow write":
+        with engine.begin() as conn, store.guard(lease, conn, action="w", enforce=False):
+            conn.exec_driver_sql("SELECT 1")
+    elif refusal == "renewal in shadow mode":
+        with pytest.raises(LeaseLostError):
+            store.renew(lease, enforce=False)
+    else:
+        with pytest.raises(LeaseLostError):
+            store.rejoin(
+                NAME,
+                epoch=lease.epoch,
+                holder=lease.holder,
+                mode="join",
+                proof=proof(lease, "join"),
+                ttl=30,
+                action="start dispatched task",
+            )
+    [run] = store.stale_runs()
+    assert run.reason == "paused"
+    resumed = store.resume(NAME)
+    assert (resumed.state, resumed.epoch, resumed.expires_at) == (
+        "held",
+        lease.epoch,
+        lease.expires_at,
+    )
+    assert store.renew(lease).epoch == lease.epoch
+
+
+def test_a_stale_run_is_recorded_in_the_environment_of_the_epoch_it_ran_at(
+    store: LeaseStore,
+) -> None:
+    """The lease has moved to another environment since: the stale holder's renewal, release
+    and write are still its own environment's stale runs."""
+    old = held(store.acquire(NAME, holder="a", ttl=300, environment="staging"))
+    store.release(old)
+    held(store.acquire(NAME, holder="b", ttl=300, environment="prod"))
+    with pytest.raises(LeaseLostError):
+        store.renew(old)
+    with pytest.raises(LeaseLostError):
+        store.release(old)
+    with (
+        pytest.raises(StaleEpochError),
+        store.engine.begin() as conn,
+        store.guard(old, conn, action="publish"),
+    ):
+        conn.exec_driver_sql("SELECT 1")
+    assert {run.action for run in store.stale_runs(environment="staging")} == {
+        "renew",
+        "release",
+        "publish",
+    }
+    assert store.stale_runs(environment="prod") == []
+
+
 def test_a_holder_never_refused_during_a_pause_keeps_its_lease_after_it(
     store: LeaseStore,
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -89,6 +90,11 @@ def record_stale_run(**overrides: Any) -> Callable[[LeaseStore], object]:
     }
     arguments.update(overrides)
     return lambda store: store.record_stale_run(**arguments)
+
+
+def with_lease(call: str, **changes: Any) -> Callable[[LeaseStore], object]:
+    """``call`` (renew or release) of a lease made by hand, with ``changes`` to its fields."""
+    return lambda store: getattr(store, call)(replace(a_lease(), **changes))
 
 
 def rejoin(**overrides: Any) -> Callable[[LeaseStore], object]:
@@ -202,6 +208,22 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
     "claim_slot slot naive": lambda s: s.claim_slot(
         a_lease(), entry="e", slot=datetime(2030, 1, 1), task="t"
     ),
+    "rejoin delivery_prefix not a string": rejoin(delivery_prefix=123),
+    "rejoin delivery_prefix with a NUL": rejoin(delivery_prefix="a\x00b"),
+    "rejoin delivery_prefix overlong": rejoin(delivery_prefix="t" * 201),
+    # A Lease made by hand, not by an acquisition: its fields are checked as the store's own
+    # arguments are.
+    **{
+        f"{call} a lease whose {field} is {case}": with_lease(call, **{field: value})
+        for call in ("renew", "release")
+        for field, cases in {
+            "epoch": {"a float": 1.0, "beyond bigint": 2**70, "zero": 0},
+            "token": {"a string": "nope", "None": None},
+            "name": {"with a NUL": "a\x00b", "empty": "", "not a string": 5},
+            "holder": {"with a NUL": "h\x00", "not a string": None},
+        }.items()
+        for case, value in cases.items()
+    },
 }
 
 
@@ -328,6 +350,28 @@ BAD_STORES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize(
+    "reading",
+    [5, datetime(2030, 1, 1), "2030-01-01T00:00:00+00:00", None],
+    ids=["a number", "naive", "a string", "None"],
+)
+def test_a_clock_that_does_not_give_an_aware_datetime_is_refused_before_any_sql(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch, reading: object
+) -> None:
+    clocked = LeaseStore(engine, clock=lambda: reading)  # type: ignore[arg-type, return-value]
+    monkeypatch.setattr(
+        clocked._connections, "checkout", lambda: pytest.fail("a connection was taken")
+    )
+    try:
+        with pytest.raises(
+            ConfigurationError, match=r"^the store's clock reading must be a timezone-aware"
+        ):
+            clocked.acquire("release:prod", holder="h", ttl=10, environment="prod")
+    finally:
+        clocked.dispose()
+    assert row_counts(engine) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("settings", BAD_STORES.values(), ids=list(BAD_STORES))
 def test_impossible_store_settings_are_refused(settings: dict[str, Any]) -> None:
     engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")
@@ -404,6 +448,35 @@ SQL_CALLS = {
     "rejoin bad mode": (
         "SELECT celery_fence.rejoin('x', 1, 'h', 'take', '\\x00'::bytea, interval '10 s')"
     ),
+    "rejoin delivery prefix overlong": (
+        "SELECT celery_fence.rejoin('x', 1, 'h', 'resume', '\\x00'::bytea, interval '10 s', "
+        "p_delivery_prefix => repeat('t', 201))"
+    ),
+    # What only a stale run's record keeps is checked before the record is written.
+    "renew holder overlong": (
+        "SELECT celery_fence.renew('x', 1, gen_random_uuid(), interval '1 s', repeat('h', 201))"
+    ),
+    "release environment overlong": (
+        "SELECT celery_fence.release('x', 1, gen_random_uuid(), 'h', "
+        "p_environment => repeat('e', 65))"
+    ),
+    "rejoin action overlong": (
+        "SELECT celery_fence.rejoin('x', 1, 'h', 'join', '\\x00'::bytea, interval '10 s', "
+        "repeat('a', 501))"
+    ),
+    **{
+        f"record_stale_run {case}": f"SELECT celery_fence.record_stale_run({arguments})"
+        for case, arguments in {
+            "name empty": "'', 1, 'h', 'expired', 'renew'",
+            "holder overlong": "'x', 1, repeat('h', 201), 'expired', 'renew'",
+            "reason unknown": "'x', 1, 'h', 'bogus', 'renew'",
+            "reason null": "'x', 1, 'h', NULL, 'renew'",
+            "action empty": "'x', 1, 'h', 'expired', ''",
+            "action overlong": "'x', 1, 'h', 'expired', repeat('a', 501)",
+            "environment empty": "'x', 1, 'h', 'expired', 'renew', ''",
+            "environment overlong": "'x', 1, 'h', 'expired', 'renew', repeat('e', 65)",
+        }.items()
+    },
     # An injected clock the answers and the library can read.
     **{
         f"{call} at {now}": f"SELECT celery_fence.{call}({arguments}, p_now => '{now}')"
