@@ -414,6 +414,16 @@ def test_a_worker_time_limit_over_a_tasks_max_hold_is_refused_at_startup(
         pytest.fail("the worker started")
 
 
+@pytest.mark.parametrize("key", ["FENCE_ENFORCEMENT", "Fence_default_ttl"])
+def test_a_key_in_another_case_is_refused_not_ignored(key: str) -> None:
+    """Celery reads the lowercase keys only: ``FENCE_ENFORCEMENT = "shadow"`` would otherwise
+    leave enforcement on with nothing said."""
+    app = Celery("cased", set_as_current=False)
+    app.config_from_object(type("Cased", (), {key: "shadow", "broker_url": "memory://"}))
+    with pytest.raises(ConfigurationError, match=rf"unknown celery-fence setting\(s\): {key}$"):
+        Fence(app).check_startup()
+
+
 class DjangoSettings:
     """A Django settings module, read with ``namespace="CELERY"``."""
 
