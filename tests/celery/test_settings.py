@@ -195,7 +195,7 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
         pytest.param(
             {"fence_max_hold": 45},
             {"ttl": 60},
-            r"max_hold \(45s\) must be at least the lease's ttl \(60s",
+            r": fence_max_hold \(45s\) must be at least the lease's ttl \(60s",
             id="task ttl over fence_max_hold",
         ),
         pytest.param(
@@ -207,8 +207,14 @@ def test_impossible_settings_are_refused(conf: dict[str, Any], message: str) -> 
         pytest.param(
             {"fence_max_hold": 45},
             {"min_hold": 120},
-            r"max_hold \(45s\) must be at least the lease's ttl \(120s",
+            r": fence_max_hold \(45s\) must be at least its min_hold \(120s",
             id="task min hold over fence_max_hold",
+        ),
+        pytest.param(
+            {},
+            {"min_hold": 3000, "max_hold": 1000},
+            r" max_hold \(1000s\) must be at least its min_hold \(3000s",
+            id="task min hold over its max hold",
         ),
         pytest.param(
             {},

@@ -940,7 +940,14 @@ class FencedTask(Task):  # type: ignore[misc]
             # The store refuses an acquisition whose ttl (the larger of the task's ttl and its
             # min_hold) exceeds its maximum hold: every run would fail.
             hold = validation.check_max_hold(
-                max_hold, taken_for, what=f"{self.name} max_hold", ttl_what="the lease's ttl"
+                max_hold,
+                taken_for,
+                what=f"{self.name} max_hold"
+                if self.fence_max_hold
+                else f"{self.name}: fence_max_hold",
+                ttl_what="its min_hold"
+                if self.fence_min_hold > self.lease_ttl(settings)
+                else "the lease's ttl",
             )
         time_limit = self.time_limit or time_limit or self.app.conf.task_time_limit
         if time_limit is not None and time_limit > hold:
