@@ -97,11 +97,14 @@ class Lease:
 
 @dataclass(frozen=True, kw_only=True)
 class Acquisition:
-    """The answer to :meth:`LeaseStore.acquire`."""
+    """The answer to :meth:`LeaseStore.acquire`. ``expires_in`` is how many seconds the owner's
+    lease had left by the database clock when the answer was given (negative once it expired),
+    ``None`` when the answer did not tell: a figure no client clock, skewed or not, went into."""
 
     outcome: Outcome
     lease: Lease | None
     owner: Owner | None
+    expires_in: float | None = None
 
     @property
     def acquired(self) -> bool:

@@ -975,7 +975,9 @@ class LeaseStore:
                 extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
             )
         remaining = None if owner is None else float(row["remaining"])
-        return Acquisition(outcome=outcome, lease=lease, owner=owner), remaining
+        return Acquisition(
+            outcome=outcome, lease=lease, owner=owner, expires_in=remaining
+        ), remaining
 
     def _acquire_waiting(
         self, params: Mapping[str, Any], ttl_seconds: float, deadline: float
@@ -1205,7 +1207,12 @@ class LeaseStore:
         except FenceDatabaseError as exc:
             return self._busy(name, exc, "rejoin", self.lock_timeout)
         if row["outcome"] in ("held", "paused"):
-            return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
+            return Acquisition(
+                outcome=row["outcome"],
+                lease=None,
+                owner=_owner(row),
+                expires_in=None if row["name"] is None else float(row["remaining"]),
+            )
         if row["outcome"] not in ("joined", "resumed"):
             raise self._rejected(params, row, action)
         if mode == "join":

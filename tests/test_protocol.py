@@ -735,6 +735,23 @@ def test_owner_of_an_unknown_lease_is_none(store: LeaseStore) -> None:
     assert store.owner("never:taken") is None
 
 
+def test_a_loser_learns_the_owners_time_left_by_the_database_clock(engine: Engine) -> None:
+    """The answer says how long the owner's lease has left as the database reckons it, here an
+    injected clock a day ahead of this machine's: the figure a busy retry waits for, which no
+    client clock goes into."""
+    ahead = datetime.now(timezone.utc) + timedelta(days=1)
+    clocked = LeaseStore(engine, clock=lambda: ahead)
+    try:
+        won = clocked.acquire(NAME, holder="a", ttl=60, environment="prod")
+        lost = clocked.acquire(NAME, holder="b", ttl=60, environment="prod")
+    finally:
+        clocked.dispose()
+    assert won.expires_in == 60
+    assert (lost.outcome, lost.expires_in) == ("held", 60)
+    assert lost.owner is not None
+    assert lost.owner.expires_at == ahead + timedelta(seconds=60)
+
+
 def test_a_loser_never_receives_the_token(store: LeaseStore) -> None:
     assert "token" not in {f.name for f in dataclasses.fields(Owner)}
     held(store.acquire(NAME, holder="a", ttl=30, environment="prod"))

@@ -9,6 +9,7 @@ and the stale run is recorded.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import re
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -1070,3 +1072,37 @@ def test_a_link_after_a_run_without_a_lease_carries_no_header(
     assert linked == ["no header"]
     [stale] = store.stale_runs(lease_name=NAME)
     assert (stale.reason, stale.stale_epoch, stale.enforced) == ("superseded", 1, False)
+
+
+@pytest.mark.parametrize("context", ["copied", "not copied"])
+def test_a_child_published_from_a_thread_of_the_body_carries_the_header_in_a_copy_of_its_context(
+    fence: Fence, worker: StartWorker, wait: Wait, context: str
+) -> None:
+    """The header comes from the run's context: a thread given a copy of it publishes as the
+    body does; one without is outside the run, and its child, on the run's lease, is busy."""
+
+    @fence.task(lease="release:{environment}")
+    def parent(environment: str) -> tuple[str, Any]:
+        with ThreadPoolExecutor(1) as pool:
+            if context == "copied":
+                sent = pool.submit(contextvars.copy_context().run, child.delay, environment)
+            else:
+                sent = pool.submit(child.delay, environment)
+            published = sent.result()
+        # Holding the lease until the child has its answer.
+        wait.until(published.ready, what="the child to end")
+        return published.id, fence.current().epoch
+
+    @fence.task(lease="release:{environment}", on_busy="raise")
+    def child(environment: str) -> list[Any]:
+        run = fence.current()
+        return [run.mode, run.epoch]
+
+    with worker(pool="threads", concurrency=2):
+        child_id, epoch = wait.outcome(parent.delay("prod"))
+        result = child.AsyncResult(child_id)
+        if context == "copied":
+            assert wait.outcome(result) == ["resume", epoch]
+        else:
+            assert wait.finished(result) == states.FAILURE
+            assert isinstance(result.result, LeaseHeldError)

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
-from datetime import datetime, timezone
 from functools import cached_property, partial
 from typing import Any, Literal, NoReturn
 
@@ -1021,7 +1020,10 @@ class FencedTask(Task):  # type: ignore[misc]
             self.fence.store.metrics.incr("busy.wait")
             waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
             self._retry_busy(
-                f"{message} (an earlier delivery of this message)", error, {WAITING: waiting}
+                f"{message} (an earlier delivery of this message)",
+                error,
+                got.expires_in,
+                {WAITING: waiting},
             )
         if holder_unknown and policy == "skip" and retries:
             policy = "retry"  # a second later: there is no owner's expiry to wait for
@@ -1036,7 +1038,7 @@ class FencedTask(Task):  # type: ignore[misc]
             policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
         if policy == "retry":
-            self._retry_busy(message, error, {BUSY_RETRIES: busy_retries})
+            self._retry_busy(message, error, got.expires_in, {BUSY_RETRIES: busy_retries})
         if policy == "raise":
             log.info(message, extra={"lease": name})
             raise error
@@ -1050,17 +1052,23 @@ class FencedTask(Task):  # type: ignore[misc]
             return value
         return 0
 
-    def _retry_busy(self, message: str, error: LeaseError, headers: Mapping[str, Any]) -> NoReturn:
-        """Send this message again at the owner's expiry (1 s for a paused lease), with
+    def _retry_busy(
+        self,
+        message: str,
+        error: LeaseError,
+        expires_in: float | None,
+        headers: Mapping[str, Any],
+    ) -> NoReturn:
+        """Send this message again at the owner's expiry, ``expires_in`` seconds away by the
+        database clock (1 s for a paused lease, or when the answer did not tell), with
         ``headers`` added, and end this delivery in ``RETRY``, as ``Task.retry`` would, but
         without counting a retry of the task's own: ``request.retries`` and ``max_retries``
         are the task's."""
         settings = self.fence.settings
         owner = error.owner
         countdown = 1.0
-        if owner is not None and not owner.paused:
-            remaining = (owner.expires_at - datetime.now(timezone.utc)).total_seconds()
-            countdown = min(max(remaining, 0.5), settings.max_ttl)
+        if owner is not None and not owner.paused and expires_in is not None:
+            countdown = min(max(expires_in, 0.5), settings.max_ttl)
         log.info("%s; retrying in %.1fs", message, countdown, extra={"lease": error.lease_name})
         request = self.request
         signature = self.signature_from_request(
