@@ -168,13 +168,19 @@ class HelpOutput(click.Command):
     """A command whose ``--help`` (and ``--version``), written while its arguments are parsed,
     fails as the commands' own output does when writing to stdout fails: one line (a full
     disk), or quietly with :attr:`ExitCode.BROKEN_PIPE` once its reader has gone
-    (``celery-fence --help | head -1``), where Click would exit 1."""
+    (``celery-fence --help | head -1``), where Click would exit 1. With stdout closed, where
+    Click would write nothing and exit 0, it says so."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
             return super().parse_args(ctx, args)
         except OSError as exc:
             raise _unwritable(exc) from exc
+        except click.exceptions.Exit:
+            # Only the eager options that print (help, version) end the parsing this way.
+            if sys.stdout is None:
+                raise Unwritable("stdout is closed") from None
+            raise
 
 
 class FenceCommand(HelpOutput):
@@ -353,8 +359,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON i
     show_envvar=True,
     metavar="SECONDS",
     help="How long acquire, renew, release, pause and resume wait behind fenced writers, "
-    "and install for each lock its migrations take "
-    f"(at most {validation.MAX_LOCK_TIMEOUT_SECONDS:g}).",
+    "install for each lock its migrations take, and status, history and stale-runs for a "
+    f"table that maintenance holds (at most {validation.MAX_LOCK_TIMEOUT_SECONDS:g}).",
 )
 @click.option(
     "-v",

@@ -828,6 +828,16 @@ def test_output_stdout_cannot_take_is_one_line(database_url: str, args: tuple[st
         )
 
 
+@pytest.mark.parametrize("args", [("--help",), ("--version",), ("status", "--help")], ids=" ".join)
+def test_help_stdout_cannot_take_is_one_line(database_url: str, args: tuple[str, ...]) -> None:
+    for stdout, reason in (("full", "No space left on device"), ("closed", "stdout is closed")):
+        result = run_with_stdout(database_url, stdout, *args)
+        assert (result.returncode, result.stderr) == (
+            ExitCode.ERROR,
+            f"Error: cannot write to stdout: {reason}\n",
+        )
+
+
 @pytest.mark.parametrize("args", [("status",), ("--help",), ("--version",), ("status", "--help")])
 def test_output_whose_reader_has_gone_ends_quietly(database_url: str, args: tuple[str]) -> None:
     """As ``celery-fence status | head -1`` once head has read its line: no word, and the
