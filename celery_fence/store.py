@@ -394,14 +394,16 @@ _CHECKED: weakref.WeakKeyDictionary[sa.Connection, list[_Checked]] = weakref.Wea
 
 
 class _Block:
-    """What a guard block has seen of its Connection's statements: whether one ran since the
-    transaction began (or rolled back), and the savepoints SQLAlchemy opened in it and has not
-    closed yet; for a Session, the nested transactions open when it began (a Session emits the
-    savepoint of one begun in the block only at its next statement)."""
+    """What a guard block has seen of its transaction's statements: whether one ran since the
+    transaction began (or rolled back). On a Connection, the savepoints SQLAlchemy opened in
+    the block and has not closed yet; on a Session, the nested transactions open when the block
+    began (a Session emits the savepoint of one begun in the block only at its next statement,
+    and may keep savepoints of its own on the Connection)."""
 
     def __init__(self, guarded: sa.Connection | Session) -> None:
         self.ran = False
         self.savepoints: list[str] = []
+        self.session = isinstance(guarded, Session)
         self.nested: list[Any] = []
         if isinstance(guarded, Session):
             transaction = guarded.get_nested_transaction()
@@ -410,30 +412,60 @@ class _Block:
                 transaction = transaction.parent
 
 
-# The guard blocks open on each Connection, innermost last.
+# The guard blocks open on each Connection, innermost last; a Session's blocks, which follow it
+# to the Connection it begins a transaction on after a rollback.
 _BLOCKS: weakref.WeakKeyDictionary[sa.Connection, list[_Block]] = weakref.WeakKeyDictionary()
-# A statement that begins, ends or splits a transaction; a comment may come first.
-_TRANSACTION_CONTROL = re.compile(
-    r"(?:\s|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
-    r"(COMMIT|END|ROLLBACK|ABORT|SAVEPOINT|RELEASE|PREPARE\s+TRANSACTION)\b",
-    re.IGNORECASE | re.DOTALL,
+_SESSION_BLOCKS: weakref.WeakKeyDictionary[Session, list[_Block]] = weakref.WeakKeyDictionary()
+# The statements that end or split a transaction, by their first word (and second).
+_TRANSACTION_CONTROL = frozenset(
+    {"COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE TRANSACTION"}
 )
+_WORDS = re.compile(r"([A-Za-z]+)(?:\s+([A-Za-z]+))?")
+
+
+def _first_words(statement: str) -> tuple[str, str]:
+    """The first word of ``statement`` and the one after it (upper case, ``""`` if none), past
+    whitespace and comments (``--`` to the end of the line, ``/* */`` nested as PostgreSQL
+    nests them)."""
+    at, end = 0, len(statement)
+    while at < end:
+        if statement[at].isspace():
+            at += 1
+        elif statement.startswith("--", at):
+            line_end = statement.find("\n", at)
+            at = end if line_end < 0 else line_end + 1
+        elif statement.startswith("/*", at):
+            depth, at = 1, at + 2
+            while at < end and depth:
+                if statement.startswith("/*", at):
+                    depth, at = depth + 1, at + 2
+                elif statement.startswith("*/", at):
+                    depth, at = depth - 1, at + 2
+                else:
+                    at += 1
+        else:
+            break
+    words = _WORDS.match(statement, at)
+    if words is None:
+        return "", ""
+    return words.group(1).upper(), (words.group(2) or "").upper()
 
 
 def _watch_statement(
     conn: sa.Connection, _cursor: Any, statement: str, _parameters: Any, context: Any, _many: Any
 ) -> None:
     """A ``before_cursor_execute`` listener for the guard blocks open on ``conn``: SQLAlchemy's
-    own savepoints are followed as they open and close; any other statement that would end or
-    split the transaction (``COMMIT``, ``ROLLBACK``, ``SAVEPOINT``, ...) is refused before it
-    runs, as a commit is; the rest are noted as run."""
+    own savepoints are followed as they open and close; any other statement whose first
+    statement would end or split the transaction (``COMMIT``, ``ROLLBACK``, ``SAVEPOINT``, ...)
+    is refused before it runs, as a commit is; the rest are noted as run."""
     blocks = _BLOCKS.get(conn)
     if not blocks:
         return
     clause = getattr(getattr(context, "compiled", None), "statement", None)
     if isinstance(clause, sa.sql.elements.SavepointClause):
         for block in blocks:
-            block.savepoints.append(clause.ident)
+            if not block.session:
+                block.savepoints.append(clause.ident)
         return
     if isinstance(
         clause, (sa.sql.elements.ReleaseSavepointClause, sa.sql.elements.RollbackToSavepointClause)
@@ -443,12 +475,13 @@ def _watch_statement(
             if clause.ident in block.savepoints:
                 del block.savepoints[block.savepoints.index(clause.ident) :]
         return
-    control = _TRANSACTION_CONTROL.match(statement)
-    if control is not None:
+    first, second = _first_words(statement)
+    control = f"{first} {second}" if first == "PREPARE" else first
+    if control in _TRANSACTION_CONTROL:
         raise ConfigurationError(
-            f"{' '.join(control.group(1).upper().split())} refused inside a guard block: the "
-            "fence check runs in the block's transaction when the block ends; commit after the "
-            "block, and use SQLAlchemy's begin_nested() for savepoints"
+            f"{control} refused inside a guard block: the fence check runs in the block's "
+            "transaction when the block ends; commit after the block, and use SQLAlchemy's "
+            "begin_nested() for savepoints"
         )
     for block in blocks:
         block.ran = True
@@ -462,13 +495,22 @@ def _rolled_back(conn: sa.Connection) -> None:
         block.savepoints.clear()
 
 
-def _check_block(
-    block: _Block, guarded: sa.Connection | Session, connection: sa.Connection, action: str
-) -> None:
-    """Refuse to check a guard block whose transaction is no longer the one its writes went
-    to: one ended inside the block past SQLAlchemy (the DB-API connection's ``commit()``), or
-    one whose check would run inside a savepoint the block opened and left open, which a
-    rollback to it after the block would undo, locks and all."""
+def _session_began(session: Session, _transaction: Any, connection: sa.Connection) -> None:
+    """An ``after_begin`` listener: a Session in guard blocks begins a transaction on a
+    Connection (after a rollback, another one): its blocks watch that one's statements."""
+    blocks = _SESSION_BLOCKS.get(session)
+    if blocks:
+        _BLOCKS[connection] = blocks
+
+
+def _checked_connection(
+    block: _Block, guarded: sa.Connection | Session, action: str
+) -> sa.Connection:
+    """The Connection whose transaction the check of ``block`` is to run in. Refused: a block
+    whose check would run inside a savepoint the block opened and left open, which a rollback
+    to it after the block would undo, locks and all, or whose transaction ended inside the
+    block past SQLAlchemy's commit (the DB-API connection's ``commit()``, a ``COMMIT`` after
+    the first statement of a string), so that what it wrote before was not fenced."""
     nested = guarded.get_nested_transaction() if isinstance(guarded, Session) else None
     if block.savepoints or not (nested is None or any(nested is t for t in block.nested)):
         raise ConfigurationError(
@@ -476,15 +518,16 @@ def _check_block(
             "check would run inside it, and a rollback to it after the block would release the "
             "check's locks; close nested transactions inside the block"
         )
-    if not block.ran:
-        return
+    # A block that rolled its transaction back may end on a Session's new connection.
+    connection = _connection(guarded)
     status = _cursor(connection).connection.info.transaction_status
-    if status == type(status).IDLE:
+    if block.ran and status == type(status).IDLE:
         raise ConfigurationError(
             f"guard block for {action!r}: its transaction ended inside the block, past "
-            "SQLAlchemy (a commit or rollback of the DB-API connection), so what it wrote before "
-            "that was not fenced; commit after the block"
+            "SQLAlchemy's commit (a commit of the DB-API connection, or a COMMIT in a string of "
+            "several statements), so what it wrote before was not fenced; commit after the block"
         )
+    return connection
 
 
 def _commit_refused() -> ConfigurationError:
@@ -538,6 +581,7 @@ def _watch_commits(guarded: sa.Connection | Session) -> None:
             with _WATCH_LOCK:
                 if not _watching_sessions:
                     sa.event.listen(Session, "before_commit", _refuse_session_commit)
+                    sa.event.listen(Session, "after_begin", _session_began)
                     _watching_sessions = True
         return
     _listen_once(
@@ -1278,6 +1322,8 @@ class LeaseStore:
         outer = _GUARDED.get(guarded, 0)  # guard blocks around this one
         block = _Block(guarded)
         blocks = _BLOCKS.setdefault(connection, [])
+        if isinstance(guarded, Session):
+            blocks = _SESSION_BLOCKS.setdefault(guarded, blocks)
         try:
             _GUARDED[guarded] = outer + 1
             blocks.append(block)
@@ -1288,9 +1334,7 @@ class LeaseStore:
                 _GUARDED[guarded] = outer
             else:
                 _GUARDED.pop(guarded, None)
-        _check_block(block, guarded, connection, action)
-        # The block may have rolled the transaction back: a Session then has another connection.
-        connection = _connection(guarded)
+        connection = _checked_connection(block, guarded, action)
         cursor = _cursor(connection)
         try:
             lease_limit = self._check_fence(

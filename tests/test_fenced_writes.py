@@ -1469,6 +1469,7 @@ def test_a_two_phase_prepare_inside_the_block_is_refused(
         "RELEASE SAVEPOINT mine",
         "ROLLBACK TO SAVEPOINT mine",
         "PREPARE TRANSACTION 'mine'",
+        "/* a /* nested */ comment */ COMMIT",
     ],
 )
 @pytest.mark.parametrize("kind", KINDS)
@@ -1480,7 +1481,8 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
     locks: it never reaches the server, and the block's writes roll back with the error."""
     lease = acquire(store, "release-41")
     lose("superseded", store, lease, expire_lease)
-    keyword = statement.split("*/")[-1].split("\n")[-1].split()[0].upper()
+    keyword = " ".join(statement.split("*/")[-1].split("\n")[-1].split()[:2]).upper()
+    keyword = keyword if keyword.startswith("PREPARE") else keyword.split()[0]
 
     def write_and_send() -> None:
         with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish"):
@@ -1492,6 +1494,67 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
     touch_every_pooled_connection(protected)
     assert committed_values(protected) == ["initial"] * 4
     assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "/* app=billing */ UPDATE protected SET value = CASE WHEN id = 1 THEN 'end' ELSE value"
+        " /* keep */ END WHERE id = 1",
+        "-- commit the manifest\nUPDATE protected SET value = 'end' WHERE id = 1",
+        "/*+ IndexScan(protected) */ UPDATE protected SET value = 'end' WHERE id = 1",
+        "PREPARE publish AS UPDATE protected SET value = 'end' WHERE id = 1; EXECUTE publish",
+    ],
+    ids=["comment then END in a CASE", "line comment naming a commit", "planner hint", "PREPARE"],
+)
+def test_statements_that_only_mention_transaction_words_are_not_refused(
+    store: LeaseStore, protected: Engine, statement: str
+) -> None:
+    lease = acquire(store, "release-41")
+    with protected.begin() as conn, store.guard(lease, conn, action="publish"):
+        conn.exec_driver_sql(statement)
+    assert committed_values(protected) == ["initial", "end"]
+
+
+def test_a_sessions_statements_are_watched_on_its_new_connection_after_a_rollback(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    """Rolled back inside the block, a Session goes on on another connection: a COMMIT sent
+    there is refused all the same, and the stale write never commits."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+
+    def write_roll_back_and_commit() -> None:
+        with Session(protected) as session, store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": "rolled back"})
+            session.rollback()
+            session.execute(UPDATE, {"value": "stale"})
+            session.execute(sa.text("COMMIT"))
+
+    with pytest.raises(ConfigurationError, match=r"^COMMIT refused inside a guard block"):
+        write_roll_back_and_commit()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+
+
+def test_a_session_joined_to_an_outer_transaction_through_a_savepoint_is_fenced(
+    store: LeaseStore, protected: Engine
+) -> None:
+    """A Session in ``join_transaction_mode="create_savepoint"`` (a test fixture's pattern)
+    keeps a savepoint of its own on the Connection, and makes a new one when it rolls back:
+    that is not a nested transaction the block left open."""
+    lease = acquire(store, "release-41")
+    with (
+        protected.connect() as conn,
+        conn.begin(),
+        Session(bind=conn, join_transaction_mode="create_savepoint") as session,
+    ):
+        with store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": "rolled back"})
+            session.rollback()
+            session.execute(UPDATE, {"value": "kept"})
+        session.commit()
+    assert committed_values(protected) == ["initial", "kept"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

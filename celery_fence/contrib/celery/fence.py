@@ -138,12 +138,19 @@ class FencedRun:
         of your own, its current transaction is fenced.
         """
         lease = self.lease
-        if conn is None:
-            with self.store.begin() as own, self._guard(lease, own, action):
-                yield own
-        else:
-            with self._guard(lease, conn, action):
-                yield conn
+        try:
+            if conn is None:
+                with self.store.begin() as own, self._guard(lease, own, action):
+                    yield own
+            else:
+                with self._guard(lease, conn, action):
+                    yield conn
+        except StaleEpochError as error:
+            # Raised by the check, or by the commit of the run's own transaction (a session
+            # the server ended for idling past the lease's expiry).
+            if lease is not None and (error.lease_name, error.epoch) == (lease.name, lease.epoch):
+                self._refused = error
+            raise
 
     @contextmanager
     def _guard(self, lease: Lease | None, conn: Executor, action: str) -> Iterator[None]:
@@ -151,13 +158,8 @@ class FencedRun:
             log.info("%r runs unfenced: this run holds no lease", action)
             yield
             return
-        try:
-            with self.store.guard(lease, conn, action=action, enforce=self.enforced):
-                yield
-        except StaleEpochError as error:
-            if error.lease_name == lease.name and error.epoch == lease.epoch:
-                self._refused = error
-            raise
+        with self.store.guard(lease, conn, action=action, enforce=self.enforced):
+            yield
 
     def header(self) -> FenceHeader | None:
         """The header tasks published from this run carry. A run without a lease passes on only
