@@ -430,6 +430,16 @@ def test_a_key_in_another_case_is_refused_not_ignored(key: str) -> None:
         Fence(app).check_startup()
 
 
+@pytest.mark.parametrize("namespace", [None, "CELERY"])
+def test_a_projects_own_key_that_begins_with_fence_is_left_alone(namespace: str | None) -> None:
+    app = Celery("project", set_as_current=False)
+    app.config_from_object(
+        type("Project", (), {"FENCE_API_URL": "https://fence.example", "broker_url": "memory://"}),
+        namespace=namespace,
+    )
+    assert Fence(app).settings.enforcement == {}
+
+
 class DjangoSettings:
     """A Django settings module, read with ``namespace="CELERY"``."""
 

@@ -66,7 +66,8 @@ def check_timing(
 def _unknown_key(key: str, namespace: str | None) -> bool:
     """Whether ``key`` is meant for celery-fence but is none of its keys as Celery looks them
     up: ``fence_x``, and under a namespace also ``CELERY_FENCE_X`` (in the namespace's case).
-    A key in another case (``FENCE_X``, ``Fence_x``) is meant for it too, and never read."""
+    One of its keys in another case (``FENCE_ENFORCEMENT``) is meant for it too, and would never
+    be read; another key so spelt (a Django project's ``FENCE_API_URL``) is not its own."""
     if key in DEFAULTS:
         return False
     if namespace:
@@ -76,7 +77,7 @@ def _unknown_key(key: str, namespace: str | None) -> bool:
         ):
             name = key[len(prefix) :].lower()
             return name not in DEFAULTS or key != match_case(prefix + name, prefix)
-    return key.lower().startswith("fence_")
+    return key.startswith("fence_") or key.lower() in DEFAULTS
 
 
 @dataclass(frozen=True, kw_only=True)
