@@ -154,6 +154,22 @@ CREATE OR REPLACE FUNCTION celery_fence.bound_lock_wait(
     )
 $$;
 
+-- Why what a stale run's record would keep of a call is refused, or NULL: the holder (at most
+-- 200 characters, empty for none), the action (1 to 500) and the caller's environment (1 to 64,
+-- or none). The calls that may record one check it first, so that a call is refused whether or
+-- not it turns out stale.
+CREATE OR REPLACE FUNCTION celery_fence.record_error(
+    p_holder text, p_action text, p_environment text
+) RETURNS text LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        CASE WHEN pg_catalog.length(p_holder) > 200
+            THEN 'celery_fence: holder must be at most 200 characters' END,
+        celery_fence.length_error(p_action, 'action', 500),
+        CASE WHEN p_environment IS NOT NULL
+            THEN celery_fence.length_error(p_environment, 'environment', 64) END
+    )
+$$;
+
 -- Records a stale run under the environment of the epoch it ran at (the lease row's for its
 -- current epoch, the history's for an earlier one); for an epoch the lease never had, under the
 -- lease's environment, and for a lease that does not exist, under the caller's.
@@ -169,14 +185,10 @@ DECLARE
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
-        CASE WHEN pg_catalog.length(p_holder) > 200
-            THEN 'celery_fence: holder must be at most 200 characters' END,
+        celery_fence.record_error(p_holder, p_action, p_environment),
         CASE WHEN p_reason IS NULL OR p_reason NOT IN (
                 'expired', 'superseded', 'released', 'paused', 'forged', 'missing', 'malformed')
             THEN pg_catalog.format('celery_fence: no such stale-run reason: %s', p_reason) END,
-        celery_fence.length_error(p_action, 'action', 500),
-        CASE WHEN p_environment IS NOT NULL
-            THEN celery_fence.length_error(p_environment, 'environment', 64) END,
         celery_fence.now_error(p_now)
     );
     IF v_error IS NOT NULL THEN
@@ -340,7 +352,9 @@ DECLARE
     v_reason text;
 BEGIN
     v_error := coalesce(
-        celery_fence.argument_error(p_name, 'renew', p_ttl, NULL), celery_fence.now_error(p_now)
+        celery_fence.argument_error(p_name, 'renew', p_ttl, NULL),
+        celery_fence.record_error(p_holder, 'renew', p_environment),
+        celery_fence.now_error(p_now)
     );
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
@@ -397,7 +411,11 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
-    v_error := coalesce(celery_fence.name_error(p_name), celery_fence.now_error(p_now));
+    v_error := coalesce(
+        celery_fence.name_error(p_name),
+        celery_fence.record_error(p_holder, 'release', p_environment),
+        celery_fence.now_error(p_now)
+    );
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';
     END IF;
@@ -570,7 +588,9 @@ DECLARE
     v_own boolean := false;
 BEGIN
     v_error := coalesce(
-        celery_fence.argument_error(p_name, p_holder, p_ttl, NULL), celery_fence.now_error(p_now)
+        celery_fence.argument_error(p_name, p_holder, p_ttl, NULL),
+        celery_fence.record_error(p_holder, p_action, p_environment),
+        celery_fence.now_error(p_now)
     );
     IF v_error IS NOT NULL THEN
         RAISE EXCEPTION USING MESSAGE = v_error, ERRCODE = 'invalid_parameter_value';

@@ -534,6 +534,30 @@ def test_a_stale_run_recorded_from_sql_without_p_enforced_is_enforced(
     assert enforced is True
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        "renew(l.name, l.epoch, l.token, interval '1 s', 'h', p_environment => '')",
+        "release(l.name, l.epoch, l.token, repeat('h', 201))",
+        "rejoin(l.name, l.epoch, l.holder, 'join', '\\x00'::bytea, interval '1 s', '')",
+    ],
+    ids=["renew environment empty", "release holder overlong", "rejoin action empty"],
+)
+def test_what_only_a_stale_run_keeps_is_refused_also_when_the_call_is_not_stale(
+    store: LeaseStore, engine: Engine, call: str
+) -> None:
+    """The same call is refused whether the lease still holds or not, not only once it turns
+    out stale and must be recorded."""
+    lease = store.acquire("release:prod", holder="h", ttl=60, environment="prod").lease
+    assert lease is not None
+    with pytest.raises(sa.exc.DBAPIError) as caught, engine.begin() as conn:
+        conn.exec_driver_sql(f"SELECT celery_fence.{call} FROM celery_fence.leases l")
+    assert isinstance(caught.value.orig, psycopg.errors.InvalidParameterValue)
+    owner = store.owner("release:prod")
+    assert owner is not None
+    assert (owner.state, owner.expires_at) == ("held", lease.expires_at)
+
+
 @pytest.mark.parametrize("statement", SQL_CALLS.values(), ids=list(SQL_CALLS))
 def test_sql_functions_refuse_bad_arguments(engine: Engine, statement: str) -> None:
     with pytest.raises(sa.exc.DBAPIError) as caught, engine.begin() as conn:
