@@ -1850,15 +1850,9 @@ class LeaseStore:
         ``params``; build its error."""
         name, epoch, reason = params["name"], params["epoch"], row["reason"]
         owner = _owner(row)
-        # The environment celery_fence.record_stale_run recorded: the epoch's own, which for an
-        # epoch before the current one is the lease's (the call passed it); else the row's (an
-        # epoch the lease has now, or never had); for a lease that does not exist, the call's.
-        if owner is not None and epoch < owner.epoch:
-            environment = params["environment"] or owner.environment
-        elif owner is not None:
-            environment = owner.environment
-        else:
-            environment = params["environment"] or ""
+        # As celery_fence.record_stale_run recorded it (a take-over a rival acquirer won first
+        # records nothing: the lease's).
+        environment = row["recorded_environment"] or row["environment"] or ""
         self._report(
             lease_name=name,
             environment=environment,

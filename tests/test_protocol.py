@@ -574,17 +574,31 @@ def test_a_refusal_during_a_pause_that_told_the_holder_nothing_leaves_it_its_lea
 
 
 def test_a_stale_run_is_recorded_in_the_environment_of_the_epoch_it_ran_at(
-    store: LeaseStore,
+    store: LeaseStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The lease has moved to another environment since: the stale holder's renewal, release
-    and write are still its own environment's stale runs."""
+    """The lease has moved to another environment since: the stale holder's renewal, release,
+    continuation and write are still its own environment's stale runs, and logged as such."""
     old = held(store.acquire(NAME, holder="a", ttl=300, environment="staging"))
     store.release(old)
     held(store.acquire(NAME, holder="b", ttl=300, environment="prod"))
-    with pytest.raises(LeaseLostError):
-        store.renew(old)
-    with pytest.raises(LeaseLostError):
-        store.release(old)
+    with caplog.at_level(logging.WARNING, "celery_fence.stale"):
+        with pytest.raises(LeaseLostError):
+            store.renew(old)
+        with pytest.raises(LeaseLostError):
+            store.release(old)
+        with pytest.raises(LeaseLostError):
+            store.rejoin(
+                NAME,
+                epoch=old.epoch,
+                holder=old.holder,
+                mode="join",
+                proof=proof(old, "join"),
+                ttl=30,
+                action="start",
+                environment="elsewhere",
+            )
+    logged = [record.environment for record in caplog.records if record.name.endswith("stale")]
+    assert logged == ["staging"] * 3
     with (
         pytest.raises(StaleEpochError),
         store.engine.begin() as conn,
@@ -594,6 +608,7 @@ def test_a_stale_run_is_recorded_in_the_environment_of_the_epoch_it_ran_at(
     assert {run.action for run in store.stale_runs(environment="staging")} == {
         "renew",
         "release",
+        "start",
         "publish",
     }
     assert store.stale_runs(environment="prod") == []

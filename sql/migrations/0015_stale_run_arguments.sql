@@ -1,5 +1,14 @@
--- celery-fence 0015: no change to the tables. The functions change in what they do, so that a
--- package that relies on it finds them installed: record_stale_run checks the arguments only a
--- record keeps and records a stale run under its own epoch's environment, and resume ends only
--- an epoch whose renewal was refused during the pause.
-SELECT 1;
+-- celery-fence 0015: an answer that reports a stale run says which environment it was recorded
+-- under (record_stale_run now records it under the environment of the epoch that ran, checks the
+-- arguments only a record keeps, and resume ends only an epoch whose renewal was refused).
+DO $migration_0015$
+BEGIN
+    IF NOT EXISTS (
+        SELECT 1 FROM pg_catalog.pg_attribute
+        WHERE attrelid = 'celery_fence.answer'::pg_catalog.regclass
+          AND attname = 'recorded_environment' AND NOT attisdropped
+    ) THEN
+        ALTER TYPE celery_fence.answer ADD ATTRIBUTE recorded_environment text;
+    END IF;
+END
+$migration_0015$;
