@@ -536,6 +536,30 @@ def test_pause_blocks_renewal_of_the_holder(store: LeaseStore) -> None:
     assert ended.ended_at == resumed.expires_at
 
 
+def assert_resumed_to(store: LeaseStore, lease: Lease) -> None:
+    """Resume the lease, and find it still ``lease``'s: the same epoch and expiry, renewable."""
+    resumed = store.resume(lease.name)
+    assert (resumed.state, resumed.epoch, resumed.expires_at) == (
+        "held",
+        lease.epoch,
+        lease.expires_at,
+    )
+    assert store.renew(lease).epoch == lease.epoch
+
+
+def join(store: LeaseStore, lease: Lease, **arguments: Any) -> Acquisition:
+    """A continuation's check at its start that ``lease``'s epoch still holds."""
+    return store.rejoin(
+        lease.name,
+        epoch=lease.epoch,
+        holder=lease.holder,
+        mode="join",
+        proof=proof(lease, "join"),
+        ttl=30,
+        **arguments,
+    )
+
+
 @pytest.mark.parametrize("refusal", ["shadow write", "renewal in shadow mode", "continuation"])
 def test_a_refusal_during_a_pause_that_told_the_holder_nothing_leaves_it_its_lease(
     store: LeaseStore, engine: Engine, refusal: str
@@ -553,24 +577,10 @@ def test_a_refusal_during_a_pause_that_told_the_holder_nothing_leaves_it_its_lea
             store.renew(lease, enforce=False)
     else:
         with pytest.raises(LeaseLostError):
-            store.rejoin(
-                NAME,
-                epoch=lease.epoch,
-                holder=lease.holder,
-                mode="join",
-                proof=proof(lease, "join"),
-                ttl=30,
-                action="start dispatched task",
-            )
+            join(store, lease, action="start dispatched task")
     [run] = store.stale_runs()
     assert run.reason == "paused"
-    resumed = store.resume(NAME)
-    assert (resumed.state, resumed.epoch, resumed.expires_at) == (
-        "held",
-        lease.epoch,
-        lease.expires_at,
-    )
-    assert store.renew(lease).epoch == lease.epoch
+    assert_resumed_to(store, lease)
 
 
 def test_a_stale_run_is_recorded_in_the_environment_of_the_epoch_it_ran_at(
@@ -587,16 +597,7 @@ def test_a_stale_run_is_recorded_in_the_environment_of_the_epoch_it_ran_at(
         with pytest.raises(LeaseLostError):
             store.release(old)
         with pytest.raises(LeaseLostError):
-            store.rejoin(
-                NAME,
-                epoch=old.epoch,
-                holder=old.holder,
-                mode="join",
-                proof=proof(old, "join"),
-                ttl=30,
-                action="start",
-                environment="elsewhere",
-            )
+            join(store, old, action="start", environment="elsewhere")
     logged = [record.environment for record in caplog.records if record.name.endswith("stale")]
     assert logged == ["staging"] * 3
     with (
@@ -622,13 +623,7 @@ def test_a_holder_never_refused_during_a_pause_keeps_its_lease_after_it(
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
     store.pause(NAME, reason="freeze", by="ops")
     store.pause(NAME, reason="freeze, ticket 7", by="ops")  # paused again: still one pause
-    resumed = store.resume(NAME)
-    assert (resumed.state, resumed.epoch, resumed.expires_at) == (
-        "held",
-        lease.epoch,
-        lease.expires_at,
-    )
-    assert store.renew(lease).epoch == lease.epoch
+    assert_resumed_to(store, lease)
     # Refused while paused, even if the refusal came before the lease was paused again.
     store.pause(NAME, reason="freeze", by="ops")
     with pytest.raises(LeaseLostError):

@@ -32,6 +32,12 @@ ACQUIRE = sa.text(
 )
 
 
+def create_manifest(engine: Engine) -> None:
+    """The table the bodies' fenced writes go to."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
+
+
 def test_renewal_keeps_the_lease_beyond_its_ttl(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
@@ -88,8 +94,7 @@ def test_lost_lease_reaches_the_body_and_its_writes_are_rejected(
     of the three is recorded as what would have been rejected."""
     app.conf.fence_enforcement = enforcement
     enforced = enforcement == "enforce"
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
+    create_manifest(engine)
     started, taken_over = threading.Event(), threading.Event()
 
     @fence.task(lease="release:{environment}", ttl=3, renew_interval=0.25)
@@ -196,8 +201,7 @@ def test_a_rejected_fenced_write_tells_the_body_before_renewal_does(
 ) -> None:
     """Paused between two renewals, the lease refuses the body's write: the run stops trusting
     it at once (``held``, ``check()``), not at the next renewal."""
-    with engine.begin() as conn:
-        conn.exec_driver_sql("CREATE TABLE manifest (environment text PRIMARY KEY, release int)")
+    create_manifest(engine)
     started, paused = threading.Event(), threading.Event()
 
     @fence.task(lease="release:{environment}", ttl=30, renew_interval=20)
