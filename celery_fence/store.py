@@ -820,6 +820,10 @@ class LeaseStore:
             engine.dialect.loaded_dbapi.Error,
             sa.exc.DBAPIError,
         )
+        # Whether this store found the schema at its package's version, which its first protocol
+        # call makes sure of: a package upgraded without `celery-fence install` is told so
+        # before it calls functions of an older schema.
+        self._schema_checked = False
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> LeaseStore:
@@ -888,6 +892,7 @@ class LeaseStore:
                     execution_options={"no_parameters": True},
                 )
                 (row,) = self._run(_cursor(conn), "schema_version", {})
+                self._schema_checked = True
                 return int(row["version"])
         except self._driver_errors as exc:
             if _sqlstate(exc) == _LOCK_NOT_AVAILABLE:
@@ -916,6 +921,7 @@ class LeaseStore:
             if not name_database:
                 raise
             raise type(exc)(f"{exc} [database {shown_url(self.engine.url)}]") from exc.__cause__
+        self._schema_checked = True
         return int(version)
 
     # -- the protocol -----------------------------------------------------------------------
@@ -1792,7 +1798,9 @@ class LeaseStore:
     ) -> list[dict[str, Any]]:
         """Run a named query in autocommit on one of the store's own connections; wrap driver
         errors. With ``lock_timeout`` (seconds), the query runs in a transaction of its own whose
-        lock waits are bounded by it."""
+        lock waits are bounded by it. The store's first query checks the schema's version."""
+        if not self._schema_checked and query != "schema_version":
+            self.check_schema()
         try:
             # What _Connections.connection() does, without a generator on every call.
             cursor, generation = self._connections.checkout()

@@ -157,7 +157,9 @@ def test_a_schema_older_than_the_package_grants_no_lease(
         f"`celery-fence install` [database {database_url}]",
     )
     assert result.stdout == ""
-    assert store.owner("job") is None
+    with store.engine.connect() as conn:
+        leases = conn.exec_driver_sql("SELECT count(*) FROM celery_fence.leases").scalar_one()
+    assert leases == 0
 
 
 def test_version() -> None:

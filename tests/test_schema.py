@@ -725,6 +725,36 @@ CALLS: dict[str, Callable[[LeaseStore], object]] = {
 }
 
 
+def test_a_store_on_an_older_schema_refuses_its_first_call_before_it_grants_anything(
+    empty_database_url: str,
+) -> None:
+    """A package upgraded without ``celery-fence install``: the functions of the older schema
+    could grant a lease the newer calls cannot renew or release, so the store's first protocol
+    call checks the version, and once that holds, later calls do not ask again."""
+    install(empty_database_url)
+    store = LeaseStore.from_url(empty_database_url)
+    latest = _sql.latest_version()
+    try:
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.text("DELETE FROM celery_fence.migrations WHERE version = :v"), {"v": latest}
+            )
+        with pytest.raises(SchemaNotInstalledError, match=f"at version {latest - 1}, this"):
+            store.acquire("release:prod", holder="a", ttl=30)
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM celery_fence.leases").scalar() == 0
+        assert store.install() == latest
+        lease = store.acquire("release:prod", holder="a", ttl=30).lease
+        assert lease is not None
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.text("DELETE FROM celery_fence.migrations WHERE version = :v"), {"v": latest}
+            )
+        assert store.release(lease) == "released"  # checked once, not on every call
+    finally:
+        store.dispose()
+
+
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_a_missing_schema_says_to_install(empty_database_url: str, call: str) -> None:
     store = LeaseStore.from_url(empty_database_url)
