@@ -420,14 +420,13 @@ _SESSION_BLOCKS: weakref.WeakKeyDictionary[Session, list[_Block]] = weakref.Weak
 _TRANSACTION_CONTROL = frozenset(
     {"COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE TRANSACTION"}
 )
-_WORDS = re.compile(r"([A-Za-z]+)(?:\s+([A-Za-z]+))?")
+_WORD = re.compile(r"[A-Za-z]+")
 
 
-def _first_words(statement: str) -> tuple[str, str]:
-    """The first word of ``statement`` and the one after it (upper case, ``""`` if none), past
-    whitespace and comments (``--`` to the end of the line, ``/* */`` nested as PostgreSQL
-    nests them)."""
-    at, end = 0, len(statement)
+def _past_comments(statement: str, at: int) -> int:
+    """Where ``statement`` goes on after the whitespace and comments at ``at`` (``--`` to the
+    end of the line, ``/* */`` nested as PostgreSQL nests them)."""
+    end = len(statement)
     while at < end:
         if statement[at].isspace():
             at += 1
@@ -445,10 +444,22 @@ def _first_words(statement: str) -> tuple[str, str]:
                     at += 1
         else:
             break
-    words = _WORDS.match(statement, at)
-    if words is None:
-        return "", ""
-    return words.group(1).upper(), (words.group(2) or "").upper()
+    return at
+
+
+def _first_words(statement: str) -> tuple[str, str]:
+    """The first word of ``statement`` and the one after it, upper case (``""`` for none),
+    past the whitespace and comments before each."""
+    words: list[str] = []
+    at = 0
+    for _ in range(2):
+        word = _WORD.match(statement, _past_comments(statement, at))
+        if word is None:
+            break
+        words.append(word.group().upper())
+        at = word.end()
+    words += ["", ""]
+    return words[0], words[1]
 
 
 def _watch_statement(
@@ -542,7 +553,7 @@ def _refuse_commit(conn: sa.Connection, *_: Any) -> None:
     counts a commit that raised as the transaction's end, and hands the connection back to its
     pool without a rollback: the writes are rolled back here, so that none stay pending on it (a
     connection too broken to roll back commits nothing either)."""
-    if _GUARDED.get(conn):
+    if _GUARDED.get(conn) or _BLOCKS.get(conn):
         dbapi_connection = conn.connection.dbapi_connection
         if dbapi_connection is not None:
             with suppress(conn.dialect.loaded_dbapi.Error):
@@ -574,18 +585,18 @@ def _listen_once(
                 watched.add(engine)
 
 
-def _watch_commits(guarded: sa.Connection | Session) -> None:
+def _watch_commits(guarded: sa.Connection | Session, connection: sa.Connection) -> None:
+    """Have the commits of ``connection``'s engine (a Session's connection's too) and, for a
+    Session, the Sessions' commits and the transactions they begin watched by guard blocks."""
     global _watching_sessions
-    if isinstance(guarded, Session):
-        if not _watching_sessions:
-            with _WATCH_LOCK:
-                if not _watching_sessions:
-                    sa.event.listen(Session, "before_commit", _refuse_session_commit)
-                    sa.event.listen(Session, "after_begin", _session_began)
-                    _watching_sessions = True
-        return
+    if isinstance(guarded, Session) and not _watching_sessions:
+        with _WATCH_LOCK:
+            if not _watching_sessions:
+                sa.event.listen(Session, "before_commit", _refuse_session_commit)
+                sa.event.listen(Session, "after_begin", _session_began)
+                _watching_sessions = True
     _listen_once(
-        guarded.engine,
+        connection.engine,
         _WATCHED_ENGINES,
         ("commit", _refuse_commit),
         ("prepare_twophase", _refuse_commit),
@@ -1323,7 +1334,7 @@ class LeaseStore:
                 action,
                 f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
             )
-        _watch_commits(guarded)
+        _watch_commits(guarded, connection)
         _watch_statements(connection)
         outer = _GUARDED.get(guarded, 0)  # guard blocks around this one
         block = _Block(guarded)
@@ -1336,6 +1347,9 @@ class LeaseStore:
             yield lease
         finally:
             blocks.remove(block)
+            if not blocks and isinstance(guarded, Session):
+                # Its next transaction, on another connection, gets blocks of its own.
+                _SESSION_BLOCKS.pop(guarded, None)
             if outer:
                 _GUARDED[guarded] = outer
             else:
@@ -1858,9 +1872,7 @@ class LeaseStore:
         ``params``; build its error."""
         name, epoch, reason = params["name"], params["epoch"], row["reason"]
         owner = _owner(row)
-        # As celery_fence.record_stale_run recorded it (a take-over a rival acquirer won first
-        # records nothing: the lease's).
-        environment = row["recorded_environment"] or row["environment"] or ""
+        environment = self._recorded_environment(params, action, owner)
         self._report(
             lease_name=name,
             environment=environment,
@@ -1880,6 +1892,23 @@ class LeaseStore:
             owner=owner,
             reason=reason,
         )
+
+    def _recorded_environment(
+        self, params: Mapping[str, Any], action: str, owner: Owner | None
+    ) -> str:
+        """The environment the database recorded the stale call made with ``params`` under (see
+        ``celery_fence.record_stale_run``), read back; when it cannot be read (nothing was
+        recorded, the read failed), the lease's, else the call's."""
+        try:
+            rows = self._read(
+                "stale_run_environment",
+                {"name": params["name"], "epoch": params["epoch"], "action": action},
+            )
+        except FenceDatabaseError:
+            rows = []
+        if rows:
+            return str(rows[0]["environment"])
+        return owner.environment if owner is not None else params["environment"] or ""
 
     @staticmethod
     def _fallback_environment(lease: Lease) -> str | None:

@@ -42,8 +42,7 @@ CREATE OR REPLACE FUNCTION celery_fence.answer_of(
         p_row.acquired_at, p_row.renewed_at, p_row.expires_at, p_row.hold_until, p_row.released_at,
         p_row.paused, p_row.paused_reason, p_row.paused_by, p_row.paused_at,
         celery_fence.state_of(p_row, p_now),
-        extract(epoch FROM p_row.expires_at - p_now)::double precision,
-        NULL::text
+        extract(epoch FROM p_row.expires_at - p_now)::double precision
     )::celery_fence.answer
 $$;
 
@@ -351,7 +350,6 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
-    v_answer celery_fence.answer;
 BEGIN
     v_error := coalesce(
         celery_fence.argument_error(p_name, 'renew', p_ttl, NULL),
@@ -389,11 +387,10 @@ BEGIN
     SELECT * INTO v_row FROM celery_fence.leases l WHERE l.name = p_name;
     v_now := coalesce(p_now, clock_timestamp());
     v_reason := coalesce(celery_fence.stale_reason(v_row, p_epoch, p_token, v_now), 'expired');
-    v_answer := celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
-    v_answer.recorded_environment := (celery_fence.record_stale_run(
+    PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'renew', p_environment, p_enforced, p_now
-    )).environment;
-    RETURN v_answer;
+    );
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END
 $$;
 
@@ -413,7 +410,6 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
-    v_answer celery_fence.answer;
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
@@ -465,11 +461,10 @@ BEGIN
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_now);
     END IF;
     v_reason := coalesce(v_reason, 'expired');
-    v_answer := celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
-    v_answer.recorded_environment := (celery_fence.record_stale_run(
+    PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'release', p_environment, p_enforced, p_now
-    )).environment;
-    RETURN v_answer;
+    );
+    RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
 END
 $$;
 
@@ -647,11 +642,10 @@ BEGIN
     END IF;
     IF v_reason IS NOT NULL THEN
         -- The lease's own environment, or, for a lease that does not exist, the caller's.
-        v_answer := celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
-        v_answer.recorded_environment := (celery_fence.record_stale_run(
+        PERFORM celery_fence.record_stale_run(
             p_name, p_epoch, p_holder, v_reason, p_action, p_environment, p_enforced, p_now
-        )).environment;
-        RETURN v_answer;
+        );
+        RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);

@@ -76,6 +76,13 @@ SELECT * FROM celery_fence.record_stale_run(
     :name, :epoch, :holder, :reason, :action, :environment, :enforced, :now
 )
 
+-- name: stale_run_environment
+-- The environment the latest stale run of a lease's epoch and action was recorded under.
+SELECT s.environment FROM celery_fence.stale_runs s
+WHERE s.lease_name = :name AND s.stale_epoch = :epoch AND s.action = :action
+ORDER BY s.recorded_at DESC, s.id DESC
+LIMIT 1
+
 -- name: pause
 SELECT * FROM celery_fence.pause(
     :name, :reason, :by, :environment, :now, pg_catalog.make_interval(secs => :lock_timeout)

@@ -89,9 +89,7 @@ CREATE TYPE celery_fence.answer AS (
     paused_by     text,
     paused_at     timestamptz,
     state         text,
-    remaining     double precision,
-    -- The environment a stale run this answer reports was recorded under.
-    recorded_environment text
+    remaining     double precision
 );
 
 CREATE TABLE celery_fence.dispatches (

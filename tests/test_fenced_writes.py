@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import select
 import threading
 import time
@@ -1470,6 +1471,7 @@ def test_a_two_phase_prepare_inside_the_block_is_refused(
         "ROLLBACK TO SAVEPOINT mine",
         "PREPARE TRANSACTION 'mine'",
         "/* a /* nested */ comment */ COMMIT",
+        "PREPARE /* two words */ TRANSACTION 'mine'",
     ],
 )
 @pytest.mark.parametrize("kind", KINDS)
@@ -1481,8 +1483,8 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
     locks: it never reaches the server, and the block's writes roll back with the error."""
     lease = acquire(store, "release-41")
     lose("superseded", store, lease, expire_lease)
-    keyword = " ".join(statement.split("*/")[-1].split("\n")[-1].split()[:2]).upper()
-    keyword = keyword if keyword.startswith("PREPARE") else keyword.split()[0]
+    words = re.sub(r"/\*.*\*/|--[^\n]*", " ", statement).split()
+    keyword = " ".join(words[:2] if words[0] == "PREPARE" else words[:1]).upper()
 
     def write_and_send() -> None:
         with transaction(protected, kind) as conn, store.guard(lease, conn, action="publish"):
@@ -1533,6 +1535,51 @@ def test_a_sessions_statements_are_watched_on_its_new_connection_after_a_rollbac
 
     with pytest.raises(ConfigurationError, match=r"^COMMIT refused inside a guard block"):
         write_roll_back_and_commit()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+
+
+@pytest.mark.parametrize("scoped", [False, True], ids=["Session", "scoped_session"])
+def test_a_sessions_later_transactions_are_watched_as_its_first(
+    store: LeaseStore, protected: Engine, expire_lease: Expire, scoped: bool
+) -> None:
+    """One Session, one guard block per transaction: the second block, on the connection the
+    Session took after its first commit, refuses a COMMIT as the first did."""
+    lease = acquire(store, "release-41")
+    session = scoped_session(sessionmaker(protected)) if scoped else Session(protected)
+
+    def write_and_try_to_commit(value: str) -> None:
+        with store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": value})
+            with pytest.raises(ConfigurationError, match=r"^COMMIT refused"):
+                session.execute(sa.text("COMMIT"))
+
+    try:
+        for value in ("first", "second"):
+            write_and_try_to_commit(value)
+            session.commit()
+        lose("superseded", store, lease, expire_lease)
+        with pytest.raises(StaleEpochError):
+            write_and_try_to_commit("stale")
+        session.rollback()
+    finally:
+        session.close()
+    assert committed_values(protected) == ["initial", "first", "second"]
+
+
+def test_a_commit_of_a_sessions_connection_inside_its_block_is_refused(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+
+    def write_and_commit_the_connection() -> None:
+        with Session(protected) as session, store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": "stale"})
+            session.connection().commit()
+
+    with pytest.raises(ConfigurationError, match="commit refused inside a guard block"):
+        write_and_commit_the_connection()
     touch_every_pooled_connection(protected)
     assert committed_values(protected) == ["initial"] * 4
 

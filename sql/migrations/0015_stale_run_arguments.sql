@@ -1,14 +1,7 @@
--- celery-fence 0015: an answer that reports a stale run says which environment it was recorded
--- under (record_stale_run now records it under the environment of the epoch that ran, checks the
--- arguments only a record keeps, and resume ends only an epoch whose renewal was refused).
-DO $migration_0015$
-BEGIN
-    IF NOT EXISTS (
-        SELECT 1 FROM pg_catalog.pg_attribute
-        WHERE attrelid = 'celery_fence.answer'::pg_catalog.regclass
-          AND attname = 'recorded_environment' AND NOT attisdropped
-    ) THEN
-        ALTER TYPE celery_fence.answer ADD ATTRIBUTE recorded_environment text;
-    END IF;
-END
-$migration_0015$;
+-- celery-fence 0015: no change to the tables or types (a type's shape stays, so that the
+-- prepared statements of a previous version's running workers keep working). The functions
+-- change in what they do, so that a package that relies on it finds them installed:
+-- record_stale_run records a stale run under the environment of the epoch that ran, renew,
+-- release, rejoin and record_stale_run check the arguments only a record keeps, and resume ends
+-- only an epoch whose renewal was refused during the pause.
+SELECT 1;
