@@ -421,6 +421,7 @@ _TRANSACTION_CONTROL = frozenset(
     {"COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE TRANSACTION"}
 )
 _WORD = re.compile(r"[A-Za-z]+")
+_LINE_END = re.compile(r"[\r\n]")
 
 
 def _past_comments(statement: str, at: int) -> int:
@@ -431,8 +432,9 @@ def _past_comments(statement: str, at: int) -> int:
         if statement[at].isspace():
             at += 1
         elif statement.startswith("--", at):
-            line_end = statement.find("\n", at)
-            at = end if line_end < 0 else line_end + 1
+            # To the end of the line, which a carriage return ends too.
+            line_end = _LINE_END.search(statement, at)
+            at = end if line_end is None else line_end.end()
         elif statement.startswith("/*", at):
             depth, at = 1, at + 2
             while at < end and depth:
@@ -1340,14 +1342,18 @@ class LeaseStore:
         block = _Block(guarded)
         blocks = _BLOCKS.setdefault(connection, [])
         if isinstance(guarded, Session):
-            blocks = _SESSION_BLOCKS.setdefault(guarded, blocks)
+            # The Session's outermost block decides which list its blocks follow it with.
+            if outer:
+                blocks = _SESSION_BLOCKS.get(guarded, blocks)
+            else:
+                _SESSION_BLOCKS[guarded] = blocks
         try:
             _GUARDED[guarded] = outer + 1
             blocks.append(block)
             yield lease
         finally:
             blocks.remove(block)
-            if not blocks and isinstance(guarded, Session):
+            if not outer and isinstance(guarded, Session):
                 # Its next transaction, on another connection, gets blocks of its own.
                 _SESSION_BLOCKS.pop(guarded, None)
             if outer:
@@ -1898,17 +1904,23 @@ class LeaseStore:
     ) -> str:
         """The environment the database recorded the stale call made with ``params`` under (see
         ``celery_fence.record_stale_run``), read back; when it cannot be read (nothing was
-        recorded, the read failed), the lease's, else the call's."""
+        recorded, the read failed), the one the call passed (its epoch's, for a renewal or
+        release), else the lease's."""
         try:
             rows = self._read(
                 "stale_run_environment",
-                {"name": params["name"], "epoch": params["epoch"], "action": action},
+                {
+                    "name": params["name"],
+                    "epoch": params["epoch"],
+                    "holder": params["holder"],
+                    "action": action,
+                },
             )
-        except FenceDatabaseError:
+        except FenceError:
             rows = []
         if rows:
             return str(rows[0]["environment"])
-        return owner.environment if owner is not None else params["environment"] or ""
+        return params["environment"] or (owner.environment if owner is not None else "")
 
     @staticmethod
     def _fallback_environment(lease: Lease) -> str | None:

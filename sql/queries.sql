@@ -77,9 +77,10 @@ SELECT * FROM celery_fence.record_stale_run(
 )
 
 -- name: stale_run_environment
--- The environment the latest stale run of a lease's epoch and action was recorded under.
+-- The environment the latest stale run of a lease's epoch, holder and action was recorded under.
 SELECT s.environment FROM celery_fence.stale_runs s
-WHERE s.lease_name = :name AND s.stale_epoch = :epoch AND s.action = :action
+WHERE s.lease_name = :name AND s.stale_epoch = :epoch AND s.stale_holder = :holder
+  AND s.action = :action
 ORDER BY s.recorded_at DESC, s.id DESC
 LIMIT 1
 

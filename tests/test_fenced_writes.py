@@ -1472,6 +1472,8 @@ def test_a_two_phase_prepare_inside_the_block_is_refused(
         "PREPARE TRANSACTION 'mine'",
         "/* a /* nested */ comment */ COMMIT",
         "PREPARE /* two words */ TRANSACTION 'mine'",
+        "-- a line a carriage return ends\rCOMMIT",
+        "PREPARE -- x\r TRANSACTION 'mine'",
     ],
 )
 @pytest.mark.parametrize("kind", KINDS)
@@ -1483,7 +1485,7 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
     locks: it never reaches the server, and the block's writes roll back with the error."""
     lease = acquire(store, "release-41")
     lose("superseded", store, lease, expire_lease)
-    words = re.sub(r"/\*.*\*/|--[^\n]*", " ", statement).split()
+    words = re.sub(r"/\*.*\*/|--[^\n\r]*", " ", statement).split()
     keyword = " ".join(words[:2] if words[0] == "PREPARE" else words[:1]).upper()
 
     def write_and_send() -> None:
@@ -1565,6 +1567,32 @@ def test_a_sessions_later_transactions_are_watched_as_its_first(
     finally:
         session.close()
     assert committed_values(protected) == ["initial", "first", "second"]
+
+
+def test_a_session_whose_first_block_sat_inside_a_connections_is_watched_in_its_next(
+    store: LeaseStore, protected: Engine, expire_lease: Expire
+) -> None:
+    """A guard on the Session inside one on its connection: once both end and the Session
+    commits, its next block, on another connection, is watched as a block of its own."""
+    lease = acquire(store, "release-41")
+    with Session(protected) as session:
+        with (
+            store.guard(lease, session.connection(), action="outer"),
+            store.guard(lease, session, action="inner"),
+        ):
+            session.execute(UPDATE, {"value": "first"})
+        session.commit()
+        lose("superseded", store, lease, expire_lease)
+
+        def write_and_commit_the_connection() -> None:
+            with store.guard(lease, session, action="publish"):
+                session.execute(UPDATE, {"value": "stale"})
+                session.connection().commit()
+
+        with pytest.raises(ConfigurationError, match="commit refused inside a guard block"):
+            write_and_commit_the_connection()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial", "first"] + ["first"] * 3
 
 
 def test_a_commit_of_a_sessions_connection_inside_its_block_is_refused(
