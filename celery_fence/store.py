@@ -379,11 +379,11 @@ _EVERY_STORES_CONNECTIONS: weakref.WeakSet[_Connections] = weakref.WeakSet()
 
 # The Connections and Sessions inside guard blocks, each with how many: their commits are refused.
 _GUARDED: weakref.WeakKeyDictionary[sa.Connection | Session, int] = weakref.WeakKeyDictionary()
-# The engines whose Connections' commits are watched, those whose transactions' ends are, and
-# those whose statements are (listened to once each), and whether the Sessions' commits are.
+# The engines whose Connections' commits, statements and rollbacks guard blocks watch, and those
+# whose transactions' ends are watched (listened to once each), and whether the Sessions' commits
+# are.
 _WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _ENDS_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
-_STATEMENTS_WATCHED_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 _watching_sessions = False
 _WATCH_LOCK = threading.Lock()
 # The fence checks passed in each Connection's current transaction (the store that checked, the
@@ -587,9 +587,10 @@ def _listen_once(
                 watched.add(engine)
 
 
-def _watch_commits(guarded: sa.Connection | Session, connection: sa.Connection) -> None:
-    """Have the commits of ``connection``'s engine (a Session's connection's too) and, for a
-    Session, the Sessions' commits and the transactions they begin watched by guard blocks."""
+def _watch_block(guarded: sa.Connection | Session, connection: sa.Connection) -> None:
+    """Have what guard blocks watch seen by them: the commits, statements and rollbacks of
+    ``connection``'s engine (a Session's connection's too) and, for a Session, the Sessions'
+    commits and the transactions they begin (see :class:`_Block`)."""
     global _watching_sessions
     if isinstance(guarded, Session) and not _watching_sessions:
         with _WATCH_LOCK:
@@ -602,15 +603,6 @@ def _watch_commits(guarded: sa.Connection | Session, connection: sa.Connection) 
         _WATCHED_ENGINES,
         ("commit", _refuse_commit),
         ("prepare_twophase", _refuse_commit),
-    )
-
-
-def _watch_statements(connection: sa.Connection) -> None:
-    """Have the statements and rollbacks of ``connection``'s engine seen by the guard
-    blocks open on its Connections (see :class:`_Block`)."""
-    _listen_once(
-        connection.engine,
-        _STATEMENTS_WATCHED_ENGINES,
         ("before_cursor_execute", _watch_statement),
         ("rollback", _rolled_back),
     )
@@ -1336,8 +1328,7 @@ class LeaseStore:
                 action,
                 f"lease {lease.name} epoch {lease.epoch} passed its deadline before {action!r}",
             )
-        _watch_commits(guarded, connection)
-        _watch_statements(connection)
+        _watch_block(guarded, connection)
         outer = _GUARDED.get(guarded, 0)  # guard blocks around this one
         block = _Block(guarded)
         blocks = _BLOCKS.setdefault(connection, [])
