@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
-Outcome = Literal["acquired", "held", "busy", "paused", "joined", "resumed"]
+Outcome = Literal["acquired", "held", "busy", "paused", "joined", "resumed", "shared", "done"]
 LeaseState = Literal["held", "expired", "released", "paused"]
 
 
@@ -72,6 +72,9 @@ class Lease:
     ``deadline`` is a ``time.monotonic()`` value taken before the request that granted the lease
     was sent, plus the time the database granted, less a safety margin: past it, the holder
     stops trusting the lease even if the database has not yet handed it on.
+
+    ``sharer`` is the delivery a continuation joined a shared lease as (see
+    :meth:`LeaseStore.rejoin`), which renewals keep and its release leaves; ``None`` otherwise.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Lease:
     hold_until: datetime
     ttl: float
     deadline: float
+    sharer: str | None = None
 
     def remaining(self) -> float:
         """Seconds this holder may still trust the lease (negative once past its deadline)."""

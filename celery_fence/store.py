@@ -664,6 +664,10 @@ def _a_lease(value: object, what: str) -> Lease:
             raise ConfigurationError(f"{what}: the lease's {field} must be text, got {text!r}")
     if not isinstance(value.token, UUID):
         raise ConfigurationError(f"{what}: the lease's token must be a UUID")
+    if value.sharer is not None:
+        validation.check_text(
+            value.sharer, f"{what}: the lease's sharer", max_length=validation.MAX_NAME_LENGTH
+        )
     return value
 
 
@@ -1130,7 +1134,7 @@ class LeaseStore:
         if row["outcome"] != "renewed":
             raise self._rejected(params, row, "renew")
         self.metrics.incr("renew.renewed")
-        return self._lease(row, started, ttl_seconds)
+        return self._lease(row, started, ttl_seconds, sharer=lease.sharer)
 
     def release(self, lease: Lease, *, enforce: bool = True) -> Released:
         """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
@@ -1139,7 +1143,8 @@ class LeaseStore:
         it, ``"left"``, while others hold it. Raises :class:`FenceDatabaseError` when fenced
         writers kept the lease's row locked past ``lock_timeout``: the lease is unchanged (it
         runs out at its expiry), and the release may be tried again."""
-        params = self._holder_params(_a_lease(lease, "release"), enforce=enforce)
+        lease = _a_lease(lease, "release")
+        params = {**self._holder_params(lease, enforce=enforce), "sharer": lease.sharer}
         row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
         if outcome not in get_args(Released):
@@ -1226,6 +1231,14 @@ class LeaseStore:
         lease) while that holder holds the lease; the lease is taken over once it expired, and the
         resume is stale once that holder released it.
 
+        A resume that joins with ``delivery_prefix`` is kept as that delivery's join of the epoch
+        (the lease's ``sharer``, which its release leaves). A later resume with the same prefix
+        at that epoch, a redelivery of the same message, is not joined again: ``outcome`` is
+        ``"shared"`` (no lease) while the earlier delivery has not left and the lease is held,
+        ``"done"`` (no lease) once it left, its work done; an earlier delivery that never left
+        (its worker lost) keeps the lease shared until it expires, when the resume takes it
+        over as above.
+
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
         proof does not match; the database records the stale run, under the lease's
         environment, or ``environment`` for a lease that does not exist (``missing``)."""
@@ -1235,6 +1248,15 @@ class LeaseStore:
             raise ConfigurationError(f"proof must be hex, got {proof!r}") from exc
         ttl_seconds = self._ttl(ttl)
         name = validation.check_name(name)
+        prefix = (
+            validation.check_text(
+                "" if delivery_prefix is None else delivery_prefix,
+                "delivery_prefix",
+                max_length=validation.MAX_NAME_LENGTH,
+                allow_empty=True,
+            )
+            or None
+        )
         params = {
             "name": name,
             "epoch": validation.check_epoch(epoch),
@@ -1248,20 +1270,14 @@ class LeaseStore:
             "lock_timeout": self.lock_timeout,
             "environment": self._optional_environment(environment),
             "successor": None if successor is None else validation.check_holder(successor),
-            "delivery_prefix": validation.check_text(
-                "" if delivery_prefix is None else delivery_prefix,
-                "delivery_prefix",
-                max_length=validation.MAX_NAME_LENGTH,
-                allow_empty=True,
-            )
-            or None,
+            "delivery_prefix": prefix,
         }
         started = time.monotonic()
         try:
             row = self._call("rejoin", params)
         except FenceDatabaseError as exc:
             return self._busy(name, exc, "rejoin", self.lock_timeout)
-        if row["outcome"] in ("held", "paused"):
+        if row["outcome"] in ("held", "paused", "shared", "done"):
             return Acquisition(
                 outcome=row["outcome"],
                 lease=None,
@@ -1273,7 +1289,9 @@ class LeaseStore:
         if mode == "join":
             # A check: the lease stays its holder's alone.
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
-        lease = self._lease(row, started, ttl_seconds)
+        # A join of a delivery the database keeps (see "shared" above) is left as that delivery.
+        sharer = prefix if row["outcome"] == "joined" else None
+        lease = self._lease(row, started, ttl_seconds, sharer=sharer)
         if row["outcome"] == "resumed":
             log.info(
                 "lease %s taken over by %s at epoch %d, continuing epoch %d",
@@ -1788,7 +1806,9 @@ class LeaseStore:
             )
         return limit
 
-    def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:
+    def _lease(
+        self, row: Mapping[str, Any], started: float, ttl: float, *, sharer: str | None = None
+    ) -> Lease:
         trusted_for = max(0.0, float(row["remaining"])) * (1.0 - self.safety_margin)
         return Lease(
             name=row["name"],
@@ -1802,6 +1822,7 @@ class LeaseStore:
             hold_until=row["hold_until"],
             ttl=ttl,
             deadline=started + trusted_for,
+            sharer=sharer,
         )
 
     def _rows(

@@ -397,7 +397,8 @@ $$;
 CREATE OR REPLACE FUNCTION celery_fence.release(
     p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL,
+    p_sharer text DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in renew: the wait behind fenced writers is bounded (lock_not_available), so that a
 -- transaction left open cannot hold up the end of a run; a release that gave up changed
@@ -441,6 +442,12 @@ BEGIN
       AND l.released_at IS NULL AND l.expires_at > v_now
     RETURNING l.* INTO v_row;
     IF v_row.name IS NOT NULL THEN
+        IF p_sharer IS NOT NULL THEN
+            -- A continuation's delivery that joined the epoch (see rejoin) leaves it, its work
+            -- done: a redelivery of its message is dropped from now on.
+            UPDATE celery_fence.joins AS j SET left_at = v_now
+            WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
+        END IF;
         IF v_row.released_at IS NULL THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
         END IF;
@@ -586,6 +593,7 @@ DECLARE
     v_answer celery_fence.answer;
     v_waited_from timestamptz;
     v_own boolean := false;
+    v_left boolean;
 BEGIN
     v_error := coalesce(
         celery_fence.argument_error(p_name, p_holder, p_ttl, NULL),
@@ -650,6 +658,20 @@ BEGIN
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
     END IF;
+    IF NOT v_own AND nullif(p_delivery_prefix, '') IS NOT NULL THEN
+        -- An earlier delivery of this continuation's own message joined this epoch (redelivered
+        -- past the broker's visibility timeout while it runs, or after its worker was lost).
+        -- Left, it ran to its end: the work is done, and the caller is told so. Still joined,
+        -- it shares the lease while the lease is held: the caller is refused as an acquirer
+        -- would be, and takes the lease over once it expired, as from a lost delivery.
+        SELECT j.left_at IS NOT NULL INTO v_left FROM celery_fence.joins j
+        WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_delivery_prefix;
+        IF v_left THEN
+            RETURN celery_fence.answer_of('done', NULL, v_row, false, v_now);
+        ELSIF NOT v_left AND v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
+            RETURN celery_fence.answer_of('shared', NULL, v_row, false, v_now);
+        END IF;
+    END IF;
     IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an
         -- acquirer would be, and nothing is recorded.
@@ -676,6 +698,13 @@ BEGIN
         )
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
+    IF nullif(p_delivery_prefix, '') IS NOT NULL THEN
+        -- What a redelivery of this message looks for (above); the joins of earlier epochs
+        -- can tell nothing any more, since a continuation of an earlier epoch is stale.
+        DELETE FROM celery_fence.joins j WHERE j.name = p_name AND j.epoch < p_epoch;
+        INSERT INTO celery_fence.joins (name, epoch, delivery, joined_at)
+        VALUES (p_name, p_epoch, p_delivery_prefix, v_now);
+    END IF;
     RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
 END
 $$;

@@ -16,7 +16,7 @@ SELECT * FROM celery_fence.renew(
 -- name: release
 SELECT * FROM celery_fence.release(
     :name, :epoch, :token, :holder, :enforced, :now,
-    pg_catalog.make_interval(secs => :lock_timeout), :environment
+    pg_catalog.make_interval(secs => :lock_timeout), :environment, :sharer
 )
 
 -- name: rejoin

@@ -110,8 +110,8 @@ def store_as() -> Iterator[Callable[[str], LeaseStore]]:
 def exercise(store: LeaseStore, name: str) -> None:
     """Everything the library does with the database, as one role: the start-up check,
     acquire, renew, a fenced write, pause and resume, release, a rejected stale renewal and a
-    rejected stale write and their records, a continuation joining the lease, a beat slot claim,
-    and every read."""
+    rejected stale write and their records, a continuation joining the lease (checked, and as a
+    delivery that shares it and leaves), a beat slot claim, and every read."""
     store.check_schema()
     got = store.acquire(name, holder="deploy-1", ttl=30, purpose="release 42")
     assert got.lease is not None, got
@@ -129,6 +129,12 @@ def exercise(store: LeaseStore, name: str) -> None:
     )
     assert joined.outcome == "joined"
     assert joined.lease is None
+    resume = {"epoch": lease.epoch, "holder": lease.holder, "mode": "resume", "ttl": 30}
+    resume |= {"proof": proof(lease, "resume"), "action": "start child"}
+    child = store.rejoin(name, **resume, delivery_prefix="child[1]@")
+    assert child.lease is not None, child
+    assert store.rejoin(name, **resume, delivery_prefix="child[1]@").outcome == "shared"
+    assert store.release(child.lease) == "left"
     slot = datetime(2030, 1, 1, tzinfo=timezone.utc)
     assert store.claim_slot(lease, entry="plan", slot=slot, task="tasks.plan")
     assert [d.entry for d in store.dispatches(name)] == ["plan"]
@@ -195,7 +201,7 @@ def test_every_grant_of_the_page_is_needed(
         if (match := _GRANT.match(line.strip()))
         for privilege in match["privileges"].split(",")
     ]
-    assert len(privileges) == 11, privileges
+    assert len(privileges) == 15, privileges
     for privilege, target in privileges:
         statement = f"{privilege} ON {target} {{}} {RUNTIME};"
         installed.run_as(OWNER, "REVOKE " + statement.format("FROM"))

@@ -223,6 +223,7 @@ def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_ti
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
     params = {"name": NAME, "epoch": lease.epoch, "token": lease.token, "holder": "a"}
     params |= {"enforced": True, "now": None, "lock_timeout": 0.5, "environment": "prod"}
+    params |= {"sharer": None}
     with store.engine.begin() as conn:
         conn.exec_driver_sql("SET LOCAL lock_timeout = '7s'")
         released = conn.execute(sa.text(_sql.queries()["release"]), params).one()
@@ -313,6 +314,26 @@ def test_a_malformed_header_is_logged_as_such_and_as_recorded(
     assert store.stale_runs() == [record]
 
 
+def resume_header(parent: Lease) -> dict[str, Any]:
+    """The header fields a continuation of ``parent`` rejoins it with."""
+    return {
+        "epoch": parent.epoch,
+        "holder": parent.holder,
+        "mode": "resume",
+        "proof": proof(parent, "resume"),
+        "ttl": 10,
+        "action": "start child",
+    }
+
+
+def delivered(store: LeaseStore, header: dict[str, Any], message: str, host: str) -> Acquisition:
+    """A delivery of continuation ``message`` on ``host`` rejoining with ``header``: named, and
+    told from other messages' deliveries, as the Celery integration names and tells them."""
+    return store.rejoin(
+        NAME, **header, successor=f"{message}@{host}", delivery_prefix=f"{message}@"
+    )
+
+
 def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over_once_lapsed(
     fake_store: LeaseStore, frozen: FrozenDateTimeFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -323,19 +344,10 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
     caplog.set_level(logging.INFO, logger="celery_fence")
     parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
     fake_store.release(parent)
-    header: dict[str, Any] = {
-        "epoch": parent.epoch,
-        "holder": "parent",
-        "mode": "resume",
-        "proof": proof(parent, "resume"),
-        "ttl": 10,
-        "action": "start child",
-    }
+    header = resume_header(parent)
 
     def delivery(message: str, host: str) -> Acquisition:
-        return fake_store.rejoin(
-            NAME, **header, successor=f"{message}@{host}", delivery_prefix=f"{message}@"
-        )
+        return delivered(fake_store, header, message, host)
 
     first = delivery("child[1]", "host-a")
     assert first.lease is not None
@@ -375,6 +387,69 @@ def test_a_resume_waits_for_its_own_messages_earlier_take_over_and_takes_it_over
         f"lease {NAME} taken over by child[1]@host-a at epoch 2, continuing epoch 1",
         f"lease {NAME} taken over by child[1]@host-b at epoch 3, continuing epoch 1",
     ]
+
+
+def test_a_delivery_joins_a_shared_epoch_once_and_its_redelivery_waits_for_it_or_is_dropped(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory, engine: Engine
+) -> None:
+    """A continuation that joins its publisher's held lease is kept as that delivery's join.
+    Its message redelivered (another host, past the broker's visibility timeout) is refused
+    while that delivery shares the lease, never joined beside it at the same epoch, and dropped
+    once it left; a delivery lost without leaving keeps the lease shared until it expires, and
+    its redelivery then takes it over. None of it is a stale run."""
+    parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
+    header = resume_header(parent)
+
+    def delivery(message: str, host: str) -> Acquisition:
+        return delivered(fake_store, header, message, host)
+
+    def joins() -> list[tuple[int, str, bool]]:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text(
+                    "SELECT epoch, delivery, left_at IS NOT NULL AS left_it"
+                    " FROM celery_fence.joins WHERE name = :name ORDER BY epoch, delivery"
+                ),
+                {"name": NAME},
+            )
+            return [(row.epoch, row.delivery, row.left_it) for row in rows]
+
+    first = held(delivery("child[1]", "host-a"))
+    assert (first.epoch, first.holder, first.sharer) == (parent.epoch, "parent", "child[1]@")
+    again = delivery("child[1]", "host-b")
+    assert (again.outcome, again.lease) == ("shared", None)
+    assert again.owner is not None
+    assert (again.owner.holder, again.owner.epoch, again.owner.state) == ("parent", 1, "held")
+    assert again.expires_in is not None
+    assert again.expires_in > 0
+    lost = held(delivery("child[2]", "host-a"))  # another message joins beside it
+    renewed = fake_store.renew(first)
+    assert renewed.sharer == "child[1]@"
+    assert fake_store.release(renewed) == "left"
+    assert joins() == [(1, "child[1]@", True), (1, "child[2]@", False)]
+    done = delivery("child[1]", "host-c")
+    assert (done.outcome, done.lease) == ("done", None)
+    assert fake_store.release(parent) == "left"
+    # child[2]'s worker was lost: it never leaves, and its redelivery waits while the lease
+    # is shared; once the lease expired, the redelivery takes it over at the next epoch.
+    assert delivery("child[2]", "host-b").outcome == "shared"
+    assert lost.sharer == "child[2]@"
+    frozen.tick(11)
+    took = delivery("child[2]", "host-b")
+    assert took.lease is not None
+    assert (took.outcome, took.lease.epoch, took.lease.sharer) == ("resumed", 2, None)
+    # A join at the new epoch drops the joins of the earlier one.
+    child = {
+        **header,
+        "epoch": 2,
+        "holder": "child[2]@host-b",
+        "proof": proof(took.lease, "resume"),
+    }
+    joined = held(fake_store.rejoin(NAME, **child, delivery_prefix="grandchild[1]@"))
+    assert joins() == [(2, "grandchild[1]@", False)]
+    assert fake_store.release(joined) == "left"
+    assert fake_store.release(took.lease) == "released"
+    assert fake_store.stale_runs() == []
 
 
 @pytest.fixture
@@ -837,6 +912,7 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
         assert won.outcome == "acquired"
         assert call("acquire", **acquire, holder="b").outcome == "held"
         own = {"epoch": won.epoch, "token": won.token, "holder": "a", "enforced": True}
+        own |= {"sharer": None}
         forged = {**own, "token": uuid.uuid4()}
         assert call("renew", **own, ttl=60).outcome == "renewed"
         assert call("renew", **forged, ttl=60).outcome == "lost"
@@ -850,6 +926,12 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
             signed = bytes.fromhex(proof(publisher, mode))
             assert call("rejoin", **rejoin, proof=signed).outcome == "joined"
             assert call("rejoin", **rejoin, proof=bytes(32)).reason == "forged"
+        # A delivery's join (a third sharer), its redelivery while it shares, and after it left.
+        delivery = {**rejoin, "proof": signed, "delivery_prefix": "child[1]@"}
+        assert call("rejoin", **delivery).outcome == "joined"
+        assert call("rejoin", **delivery).outcome == "shared"
+        assert call("release", **{**own, "sharer": "child[1]@"}).outcome == "left"
+        assert call("rejoin", **delivery).outcome == "done"
         assert call("owner").holder == "a"
         assert call("owner", name="inline:missing").outcome is None
         assert call("leases", environment="prod").holder == "a"

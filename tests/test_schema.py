@@ -325,8 +325,20 @@ SUPERSEDED_SIGNATURES = [
         7,
         "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
         STALE_CALL,
-        "p_now timestamp with time zone, p_lock_timeout interval, p_environment text",
+        "p_lock_timeout interval, p_environment text, p_sharer text",
         id="release without a lock timeout and its environment",
+    ),
+    pytest.param(
+        "release",
+        """
+    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL""",
+        16,
+        "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
+        STALE_CALL,
+        "p_lock_timeout interval, p_environment text, p_sharer text",
+        id="release without the sharer",
     ),
     pytest.param(
         "rejoin",

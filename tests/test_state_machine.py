@@ -67,7 +67,8 @@ class Model:
     hold_until: float = 0.0
     released: bool = False
     paused: bool = False
-    #: Whether a holder of the epoch was refused (and told) since the lease was paused.
+    #: Whether a renewal of the epoch was refused (its holder told it lost the lease) since the
+    #: lease was paused.
     refused_while_paused: bool = False
     grants: dict[str, Grant] = field(default_factory=dict)
     stale_runs: int = 0
@@ -90,10 +91,10 @@ class Model:
         state = self.state()
         return None if state == "held" else state
 
-    def refused(self, reason: str, grant: Grant) -> None:
-        """A stale run of ``grant`` was recorded for ``reason``."""
+    def refused(self, reason: str, grant: Grant, action: str) -> None:
+        """A stale ``action`` (renew, release, write) of ``grant`` was recorded for ``reason``."""
         self.stale_runs += 1
-        if reason == "paused" and grant.lease.epoch == self.epoch:
+        if reason == "paused" and action == "renew" and grant.lease.epoch == self.epoch:
             self.refused_while_paused = True
 
     def grant(self, lease: Lease) -> Grant:
@@ -161,7 +162,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(LeaseLostError) as caught:
                 self.store.renew(grant.lease)
             assert caught.value.reason == reason
-            model.refused(reason, grant)
+            model.refused(reason, grant, "renew")
             return
         renewed = self.store.renew(grant.lease)
         model.expires = max(model.expires, min(model.now + grant.lease.ttl, model.hold_until))
@@ -185,7 +186,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(LeaseLostError) as caught:
                 self.store.release(grant.lease)
             assert caught.value.reason == model.stale_reason(grant)
-            model.refused(caught.value.reason, grant)
+            model.refused(caught.value.reason, grant, "release")
 
     @precondition(lambda self: self.model.grants)
     @rule(data=st.data())
@@ -203,7 +204,7 @@ class LeaseMachine(RuleBasedStateMachine):
             with pytest.raises(StaleEpochError) as caught:
                 self.write(grant.lease, ran)
             assert caught.value.reason == expected
-            model.refused(expected, grant)
+            model.refused(expected, grant, "write")
         assert bool(ran) is trusted
 
     def write(self, lease: Lease, ran: list[Lease]) -> None:
@@ -239,7 +240,8 @@ class LeaseMachine(RuleBasedStateMachine):
         assert not self.store.resume(self.name).paused
         model = self.model
         if model.paused and model.refused_while_paused:
-            # The epoch the pause found ends with it, since its holder was told it lost it.
+            # The epoch the pause found ends with it, since its holder's renewal was refused:
+            # told it lost the lease, the holder stopped renewing it.
             model.expires = min(model.expires, model.now)
         model.paused = model.refused_while_paused = False
 

@@ -567,15 +567,24 @@ EARLIER_DELIVERY = [
 ]
 
 
-def taken_over_from_a_publisher(
-    store: LeaseStore, task: FencedTask, task_id: str, publication: str, hostname: str
-) -> tuple[dict[str, Any], Lease]:
-    """A publisher's lease, released, then taken over by a delivery of ``task`` sent with the
-    publisher's header and ``publication``, named as the task names that delivery's run on
-    ``hostname``: the header, and the lease the take-over holds."""
-    publisher = store.acquire(NAME, holder="publisher@test", ttl=60).lease
+def continued_from_a_publisher(
+    store: LeaseStore,
+    task: FencedTask,
+    task_id: str,
+    publication: str,
+    hostname: str,
+    *,
+    publisher_ends: bool = True,
+    ttl: float = 60,
+) -> tuple[dict[str, Any], Lease, Lease]:
+    """A publisher's lease continued by a delivery of ``task`` sent with the publisher's header
+    and ``publication``, named as the task names that delivery's run on ``hostname``: taken over
+    once the publisher released it, or, with ``publisher_ends=False``, joined while the
+    publisher holds it. The header, the lease the delivery holds, and the publisher's."""
+    publisher = store.acquire(NAME, holder="publisher@test", ttl=ttl).lease
     assert publisher is not None
-    store.release(publisher)
+    if publisher_ends:
+        store.release(publisher)
     header = {**FenceHeader.for_lease(publisher, "resume").to_message(), "publication": publication}
     task.push_request(
         id=task_id, called_directly=False, hostname=hostname, headers={HEADER: header}
@@ -587,7 +596,7 @@ def taken_over_from_a_publisher(
             holder=publisher.holder,
             mode="resume",
             proof=header["proof"],
-            ttl=60,
+            ttl=ttl,
             action=f"start {task.name}",
             successor=task.holder(),
             delivery_prefix=task.delivery_prefix(),
@@ -595,7 +604,7 @@ def taken_over_from_a_publisher(
     finally:
         task.pop_request()
     assert got.lease is not None
-    return header, got.lease
+    return header, got.lease, publisher
 
 
 @pytest.mark.parametrize("continuation", [False, True], ids=["a first run", "a continuation"])
@@ -633,7 +642,7 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     headers: dict[str, Any] = {}
     before: list[tuple[int, str]] = []
     if continuation:
-        headers[HEADER], lease = taken_over_from_a_publisher(
+        headers[HEADER], lease, _ = continued_from_a_publisher(
             store, publish, task_id, uuid.uuid4().hex, "celery@lost-host"
         )
         before = [(1, "publisher@test")]
@@ -894,6 +903,58 @@ def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(
     assert result.state == states.RETRY
 
 
+@pytest.mark.parametrize("earlier_delivery", ["runs to its end", "is lost"])
+def test_a_redelivered_continuation_waits_for_its_earlier_delivery_sharing_the_epoch(
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    earlier_delivery: str,
+) -> None:
+    """A child's first delivery joined its parent's held lease; the broker sends its message
+    again (past the visibility timeout) while that delivery runs. The redelivery does not join
+    beside it at the same epoch: it waits, whatever its busy policy, and is dropped once that
+    delivery ran to its end and left the lease; a delivery lost without leaving keeps the
+    lease until it expires, and the redelivery then takes it over at the next epoch."""
+    # Busy retries come back within a second (their countdown is capped at fence_max_ttl).
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    ran: list[list[Any]] = []
+
+    @fence.task(lease="release:{environment}", on_busy="skip")
+    def child(environment: str) -> None:
+        run = fence.current()
+        ran.append([run.mode, run.epoch])
+
+    task_id = str(uuid.uuid4())
+    header, first, parent = continued_from_a_publisher(
+        store, child, task_id, uuid.uuid4().hex, "celery@other-host", publisher_ends=False, ttl=3
+    )
+    assert first.sharer is not None
+    metrics = fence.store.metrics
+    with worker():
+        result = child.apply_async(("prod",), headers={HEADER: header}, task_id=task_id)
+        wait.until(lambda: metrics.get("busy.wait") == 1, what="the redelivery to wait")
+        assert ran == []
+        if earlier_delivery == "runs to its end":
+            assert store.release(first) == "left"
+            wait.until(lambda: metrics.get("busy.duplicate") == 1, what="the redelivery dropped")
+        else:
+            assert store.release(parent) == "left"
+            expire_lease(NAME)
+            assert wait.finished(result) == states.SUCCESS
+
+    if earlier_delivery == "runs to its end":
+        assert ran == []
+        # The state the wait left: nothing of the dropped redelivery's own.
+        assert result.state == states.RETRY
+    else:
+        assert ran == [["resume", parent.epoch + 1]]
+    assert metrics.get("busy.skip") == 0
+    assert store.stale_runs() == []
+
+
 def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
 ) -> None:
@@ -906,7 +967,7 @@ def test_another_message_of_the_same_task_id_is_not_an_earlier_delivery(
         pass
 
     task_id = str(uuid.uuid4())
-    taken, lease = taken_over_from_a_publisher(
+    taken, lease, _ = continued_from_a_publisher(
         store, publish, task_id, uuid.uuid4().hex, "celery@other-host"
     )
     message = {**taken, "publication": uuid.uuid4().hex}

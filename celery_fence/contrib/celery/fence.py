@@ -720,8 +720,11 @@ class Fence:
             return self._acquire(task, name, arguments, environment, enforced)
         if got.lease is None:
             # A resume kept waiting past lock_timeout by fenced writers, or one whose lease an
-            # earlier delivery of its message took over and holds.
-            return self._refused(task, header.lease, got, enforced, "resume")
+            # earlier delivery of its message took over and holds, or joined and shares ("shared")
+            # or joined and left, its work done ("done").
+            return self._refused(
+                task, header.lease, got, enforced, "resume", done=got.outcome == "done"
+            )
         # A continuation that joined a held lease is one more sharer: releasing it only leaves;
         # the lease is released when its last sharer releases it.
         renew = partial(self.keeper_store.renew, enforce=enforced)
@@ -882,13 +885,13 @@ class FencedTask(Task):  # type: ignore[misc]
         return owner is not None and not self.fence_min_hold and self.earlier_delivery(owner.holder)
 
     def _held_by_an_earlier_delivery(self, got: Acquisition) -> bool:
-        """Whether the refused lease is held by an earlier delivery of this message."""
+        """Whether the refused lease is held by an earlier delivery of this message, or by its
+        publisher and shared with an earlier delivery that joined it (``"shared"``)."""
         owner = got.owner
-        return (
-            got.outcome == "held"
-            and owner is not None
-            and owner.held
-            and self.owned_by_an_earlier_delivery(owner)
+        if owner is None or not owner.held:
+            return False
+        return got.outcome == "shared" or (
+            got.outcome == "held" and self.owned_by_an_earlier_delivery(owner)
         )
 
     def lease_ttl(self, settings: FenceSettings) -> float:
