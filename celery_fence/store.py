@@ -422,6 +422,9 @@ _TRANSACTION_CONTROL = frozenset(
 )
 _WORD = re.compile(r"[A-Za-z]+")
 _LINE_END = re.compile(r"[\r\n]")
+# What may hide a semicolon that ends no statement: quotes, dollar quotes and comments.
+_LEXEME = re.compile(r"""['";$]|--|/\*""")
+_DOLLAR_QUOTE = re.compile(r"\$(?:[^\W\d]\w*)?\$")
 
 
 def _past_comments(statement: str, at: int) -> int:
@@ -449,11 +452,56 @@ def _past_comments(statement: str, at: int) -> int:
     return at
 
 
-def _first_words(statement: str) -> tuple[str, str]:
-    """The first word of ``statement`` and the one after it, upper case (``""`` for none),
-    past the whitespace and comments before each."""
+def _in_word(sql: str, at: int) -> bool:
+    """Whether the character of ``sql`` at ``at`` is part of an identifier or keyword."""
+    return at >= 0 and (sql[at].isalnum() or sql[at] in "_$")
+
+
+def _past_quoted(sql: str, at: int, quote: str, backslashes: bool) -> int:
+    """Where ``sql`` goes on after the quoted text from ``at`` (just past its opening
+    ``quote``): a doubled quote stands for one, and with ``backslashes`` (an ``E''`` string)
+    a backslash escapes the character after it. The end of ``sql`` when the quote is not closed."""
+    end = len(sql)
+    while at < end:
+        if backslashes and sql[at] == "\\":
+            at += 2
+        elif sql[at] != quote:
+            at += 1
+        elif sql.startswith(quote, at + 1):
+            at += 2
+        else:
+            return at + 1
+    return end
+
+
+def _statement_starts(sql: str) -> Iterator[int]:
+    """Where each statement of ``sql`` begins: at 0, and after every semicolon that is not
+    inside a quoted string, a quoted identifier, a dollar-quoted string or a comment."""
+    yield 0
+    if ";" not in sql:
+        return
+    at, end = 0, len(sql)
+    while at < end and (found := _LEXEME.search(sql, at)) is not None:
+        lexeme, start, at = found.group(), found.start(), found.end()
+        if lexeme == ";":
+            yield at
+        elif lexeme in ("--", "/*"):
+            at = _past_comments(sql, start)
+        elif lexeme == "$":
+            # $tag$ opens a dollar quote; $1 is a parameter, and a$b an identifier.
+            tag = _DOLLAR_QUOTE.match(sql, start)
+            if tag is not None and not _in_word(sql, start - 1):
+                close = sql.find(tag.group(), tag.end())
+                at = end if close < 0 else close + len(tag.group())
+        else:
+            escapes = lexeme == "'" and sql[start - 1 : start] in ("E", "e")
+            at = _past_quoted(sql, at, lexeme, escapes and not _in_word(sql, start - 2))
+
+
+def _first_words(statement: str, at: int = 0) -> tuple[str, str]:
+    """The first word of ``statement`` from ``at`` and the one after it, upper case (``""``
+    for none), past the whitespace and comments before each."""
     words: list[str] = []
-    at = 0
     for _ in range(2):
         word = _WORD.match(statement, _past_comments(statement, at))
         if word is None:
@@ -468,9 +516,10 @@ def _watch_statement(
     conn: sa.Connection, _cursor: Any, statement: str, _parameters: Any, context: Any, _many: Any
 ) -> None:
     """A ``before_cursor_execute`` listener for the guard blocks open on ``conn``: SQLAlchemy's
-    own savepoints are followed as they open and close; any other statement whose first
-    statement would end or split the transaction (``COMMIT``, ``ROLLBACK``, ``SAVEPOINT``, ...)
-    is refused before it runs, as a commit is; the rest are noted as run."""
+    own savepoints are followed as they open and close; any other SQL of which a statement
+    would end or split the transaction (``COMMIT``, ``ROLLBACK``, ``SAVEPOINT``, ...), the first
+    or one after it (``UPDATE ...; COMMIT; BEGIN``), is refused before it runs, as a commit is;
+    the rest are noted as run."""
     blocks = _BLOCKS.get(conn)
     if not blocks:
         return
@@ -488,14 +537,15 @@ def _watch_statement(
             if clause.ident in block.savepoints:
                 del block.savepoints[block.savepoints.index(clause.ident) :]
         return
-    first, second = _first_words(statement)
-    control = f"{first} {second}" if first == "PREPARE" else first
-    if control in _TRANSACTION_CONTROL:
-        raise ConfigurationError(
-            f"{control} refused inside a guard block: the fence check runs in the block's "
-            "transaction when the block ends; commit after the block, and use SQLAlchemy's "
-            "begin_nested() for savepoints"
-        )
+    for start in _statement_starts(statement):
+        first, second = _first_words(statement, start)
+        control = f"{first} {second}" if first == "PREPARE" else first
+        if control in _TRANSACTION_CONTROL:
+            raise ConfigurationError(
+                f"{control} refused inside a guard block: the fence check runs in the block's "
+                "transaction when the block ends; commit after the block, and use SQLAlchemy's "
+                "begin_nested() for savepoints"
+            )
     for block in blocks:
         block.ran = True
 

@@ -1501,6 +1501,41 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
 
 
 @pytest.mark.parametrize(
+    ("statements", "keyword"),
+    [
+        ("UPDATE protected SET value = 'sent' WHERE id = 2; COMMIT; BEGIN", "COMMIT"),
+        ("SELECT ';'; /* ; */ savepoint mine", "SAVEPOINT"),
+        (
+            "SELECT $$;$$, $x$ ; $$ $x$, E'\\';', '--', \"a;b\" FROM (SELECT 1 AS \"a;b\") AS t;"
+            " ROLLBACK; BEGIN",
+            "ROLLBACK",
+        ),
+        ("SELECT 1 -- ; end\r; END; BEGIN", "END"),
+    ],
+    ids=["commit then begin", "savepoint", "after quotes", "after a line comment"],
+)
+def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(
+    store: LeaseStore, protected: Engine, statements: str, keyword: str, expire_lease: Expire
+) -> None:
+    """Sent in one string (psycopg sends SQL without parameters as one simple query, however
+    many statements it holds), a statement after the first that would end or split the
+    transaction is refused as the first would be: the writes before it never commit unchecked."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+
+    def write_and_send() -> None:
+        with protected.begin() as conn, store.guard(lease, conn, action="publish"):
+            conn.execute(UPDATE, {"value": "stale"})
+            conn.exec_driver_sql(statements)
+
+    with pytest.raises(ConfigurationError, match=f"^{keyword} refused inside a guard block"):
+        write_and_send()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize(
     "statement",
     [
         "/* app=billing */ UPDATE protected SET value = CASE WHEN id = 1 THEN 'end' ELSE value"
@@ -1508,8 +1543,19 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
         "-- commit the manifest\nUPDATE protected SET value = 'end' WHERE id = 1",
         "/*+ IndexScan(protected) */ UPDATE protected SET value = 'end' WHERE id = 1",
         "PREPARE publish AS UPDATE protected SET value = 'end' WHERE id = 1; EXECUTE publish",
+        "UPDATE protected SET value = 'end' WHERE id = 1 AND 'a; commit' <> E'\\'; rollback'",
+        "DO $$BEGIN UPDATE protected SET value = 'end' WHERE id = 1; END$$",
+        "UPDATE protected SET value = 'end' WHERE id = 1 /* ; commit */; -- ; commit",
     ],
-    ids=["comment then END in a CASE", "line comment naming a commit", "planner hint", "PREPARE"],
+    ids=[
+        "comment then END in a CASE",
+        "line comment naming a commit",
+        "planner hint",
+        "PREPARE",
+        "semicolons in strings",
+        "END of a DO block",
+        "semicolons in comments",
+    ],
 )
 def test_statements_that_only_mention_transaction_words_are_not_refused(
     store: LeaseStore, protected: Engine, statement: str
