@@ -572,8 +572,8 @@ def _checked_connection(
     """The Connection whose transaction the check of ``block`` is to run in. Refused: a block
     whose check would run inside a savepoint the block opened and left open, which a rollback
     to it after the block would undo, locks and all, or whose transaction ended inside the
-    block past SQLAlchemy's commit (the DB-API connection's ``commit()``, a ``COMMIT`` after
-    the first statement of a string), so that what it wrote before was not fenced."""
+    block past SQLAlchemy (the DB-API connection's ``commit()``, a ``COMMIT`` sent on a DB-API
+    cursor of its own), so that what it wrote before was not fenced."""
     nested = guarded.get_nested_transaction() if isinstance(guarded, Session) else None
     if block.savepoints or not (nested is None or any(nested is t for t in block.nested)):
         raise ConfigurationError(
@@ -587,8 +587,8 @@ def _checked_connection(
     if block.ran and status == type(status).IDLE:
         raise ConfigurationError(
             f"guard block for {action!r}: its transaction ended inside the block, past "
-            "SQLAlchemy's commit (a commit of the DB-API connection, or a COMMIT in a string of "
-            "several statements), so what it wrote before was not fenced; commit after the block"
+            "SQLAlchemy (a commit of the DB-API connection, or a COMMIT sent on a DB-API cursor), "
+            "so what it wrote before was not fenced; commit after the block"
         )
     return connection
 
