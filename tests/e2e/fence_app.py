@@ -5,8 +5,9 @@
 
 Everything comes from the environment, so that each test has its own database, broker and
 queue: ``CELERY_FENCE_DATABASE_URL``, ``E2E_BROKER_URL``, ``E2E_RESULT_BACKEND``,
-``E2E_QUEUE``, ``E2E_BEAT_TTL`` (seconds) and ``E2E_TICK_EVERY`` (seconds between beat runs of
-:func:`tick`; unset, beat has nothing to schedule).
+``E2E_QUEUE``, ``E2E_BEAT_TTL`` (seconds), ``E2E_TICK_EVERY`` (seconds between beat runs of
+:func:`tick`; unset, beat has nothing to schedule) and ``E2E_VISIBILITY_TIMEOUT`` (seconds
+after which Redis gives an unacknowledged message to a consumer again; unset, kombu's hour).
 
 The tasks write what they saw into plain tables of the test database (:data:`SCHEMA`), so that
 the tests can compare every execution with the lease history.
@@ -26,6 +27,8 @@ from celery_fence.contrib.celery import HEADER, Fence
 TICK = "e2e.tick"
 RELEASE = "e2e.release"
 RELEASE_ACKED_LATE = "e2e.release_acked_late"
+RELEASE_WITH_STEP = "e2e.release_with_step"
+MIGRATE_STEP = "e2e.migrate_step"
 RELEASE_TTL = 2.0
 
 SCHEMA = """
@@ -60,6 +63,11 @@ CREATE TABLE manifests (
     published_at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE UNIQUE INDEX manifests_one_current ON manifests (environment) WHERE current;
+CREATE TABLE steps (
+    task_id    text    NOT NULL,
+    epoch      bigint  NOT NULL,
+    worker_pid integer NOT NULL
+);
 """
 
 
@@ -83,6 +91,13 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=600,
 )
+if os.environ.get("E2E_VISIBILITY_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": _env_seconds("E2E_VISIBILITY_TIMEOUT", 3600),
+        # Look for messages past it every second, not every 100 s.
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
 if os.environ.get("E2E_TICK_EVERY"):
     app.conf.beat_schedule = {
         "tick": {"task": TICK, "schedule": _env_seconds("E2E_TICK_EVERY", 1.0)},
@@ -121,22 +136,9 @@ def _release(
     """A simulated release: validate, migrate, then publish the manifest as the current one."""
     if not build.startswith("build-"):
         raise ValueError(f"release {release_id}: {build!r} is not a build")
+    _record_start(self, release_id)
     lease = fence.current().lease
     assert lease is not None
-    with fence.store.engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO release_starts (task_id, release_id, epoch, holder, worker_pid) "
-                "VALUES (:task_id, :release_id, :epoch, :holder, :pid)"
-            ),
-            {
-                "task_id": self.request.id,
-                "release_id": release_id,
-                "epoch": lease.epoch,
-                "holder": lease.holder,
-                "pid": os.getpid(),
-            },
-        )
     time.sleep(migrate)
     with fence.guard("publish manifest") as conn:
         conn.execute(
@@ -171,6 +173,70 @@ release = fence.task(name=RELEASE, **RELEASE_OPTIONS)(_release)
 release_acked_late = fence.task(
     name=RELEASE_ACKED_LATE, acks_late=True, reject_on_worker_lost=True, **RELEASE_OPTIONS
 )(_release)
+
+
+def _record_start(self: Any, release_id: str) -> None:
+    """Note that this run of a release (or of its step) started, at which epoch, where."""
+    lease = fence.current().lease
+    assert lease is not None
+    with fence.store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO release_starts (task_id, release_id, epoch, holder, worker_pid) "
+                "VALUES (:task_id, :release_id, :epoch, :holder, :pid)"
+            ),
+            {
+                "task_id": self.request.id,
+                "release_id": release_id,
+                "epoch": lease.epoch,
+                "holder": lease.holder,
+                "pid": os.getpid(),
+            },
+        )
+
+
+def _step_started(task_id: str) -> bool:
+    with fence.store.engine.connect() as conn:
+        started = conn.execute(
+            sa.text("SELECT 1 FROM release_starts WHERE task_id = :id"), {"id": task_id}
+        ).first()
+    return started is not None
+
+
+@fence.task(name=RELEASE_WITH_STEP, lease="release:{environment}", ttl=RELEASE_TTL, bind=True)
+def release_with_step(self: Any, environment: str, release_id: str) -> str:
+    """A release that hands its migration to a step on its own lease, and ends once the step
+    started: the step shares the release's epoch. Returns the step's task id."""
+    step = migrate_step.delay(environment, release_id)
+    deadline = time.monotonic() + 20
+    while not _step_started(step.id):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"release {release_id}: its step never started")
+        time.sleep(0.05)
+    return str(step.id)
+
+
+@fence.task(
+    name=MIGRATE_STEP, lease="release:{environment}", ttl=RELEASE_TTL, acks_late=True, bind=True
+)
+def migrate_step(self: Any, environment: str, release_id: str) -> bool:
+    """The release's migration, acknowledged once it ran: it goes on until its message was
+    delivered again (the redelivery, waiting for this run, leaves the task's state RETRY), at
+    most 20 s, then writes its row under the lease. Returns whether it saw the redelivery."""
+    _record_start(self, release_id)
+    deadline = time.monotonic() + 20
+    while not (redelivered := self.AsyncResult(self.request.id).state == "RETRY"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    lease = fence.current().lease
+    assert lease is not None
+    with fence.guard("migrate") as conn:
+        conn.execute(
+            sa.text("INSERT INTO steps (task_id, epoch, worker_pid) VALUES (:id, :epoch, :pid)"),
+            {"id": self.request.id, "epoch": lease.epoch, "pid": os.getpid()},
+        )
+    return redelivered
 
 
 @signals.before_task_publish.connect(sender=TICK, weak=False)

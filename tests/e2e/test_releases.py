@@ -2,7 +2,8 @@
 
 Two releases for one environment race: exactly one manifest is published, the winner's, and the
 lease history names it. A release whose lease expired while its worker process was stopped, and
-was taken over by another release, cannot publish when it resumes.
+was taken over by another release, cannot publish when it resumes. A release's step that Redis
+delivers again while it runs (past the visibility timeout) runs once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from celery_fence import LeaseStore, StaleEpochError
 from celery_fence.contrib.celery import SKIPPED
 
 from .conftest import Cluster, wait_until
-from .fence_app import RELEASE, RELEASE_ACKED_LATE, RELEASE_TTL
+from .fence_app import RELEASE, RELEASE_ACKED_LATE, RELEASE_TTL, RELEASE_WITH_STEP
 
 pytestmark = pytest.mark.e2e
 
@@ -157,3 +158,35 @@ def test_release_whose_pool_process_is_terminated_runs_again_once_its_lease_expi
         "keeping lease release:prod until it expires: the run was interrupted (SystemExit)",
         timeout=5,
     )
+
+
+def test_a_step_redelivered_past_the_visibility_timeout_while_it_runs_runs_once(
+    cluster: Cluster, store: LeaseStore, engine: Engine
+) -> None:
+    """A release hands its migration to a step task on its own lease, acknowledged late, which
+    joins the release's epoch. Redis gives the step's message to the worker again once the
+    visibility timeout (1 s) passed, while the step still runs: the redelivery does not join
+    beside it at the same epoch but waits, and is dropped once the step ran to its end."""
+    cluster.env["E2E_VISIBILITY_TIMEOUT"] = "1"
+    worker = cluster.worker("w1", concurrency=2)
+    result = cluster.send(RELEASE_WITH_STEP, "prod", "r-401")
+    assert cluster.finished(result, timeout=30) == "SUCCESS"
+    step = cluster.result(result.result)
+    assert cluster.finished(step, timeout=40) == "SUCCESS"
+    assert step.result is True  # the step saw its redelivery wait for it
+    worker.wait_for_log(
+        "an earlier delivery of this message ran to its end under lease release:prod; this "
+        "delivery is dropped",
+        timeout=15,
+    )
+
+    with engine.connect() as conn:
+        steps = conn.execute(sa.text("SELECT task_id, epoch FROM steps ORDER BY epoch")).all()
+        starts = conn.execute(
+            sa.text("SELECT epoch FROM release_starts WHERE task_id = :id"), {"id": step.id}
+        ).scalars()
+        assert list(starts) == [1]
+    assert [tuple(row) for row in steps] == [(step.id, 1)]
+    assert [(h.epoch, h.end_reason) for h in store.history("release:prod")] == [(1, "released")]
+    assert store.stale_runs() == []
+    assert step.state == "SUCCESS"  # the dropped redelivery stored no state over the step's
