@@ -422,9 +422,22 @@ _TRANSACTION_CONTROL = frozenset(
 )
 _WORD = re.compile(r"[A-Za-z]+")
 _LINE_END = re.compile(r"[\r\n]")
-# What may hide a semicolon that ends no statement: quotes, dollar quotes and comments.
-_LEXEME = re.compile(r"""['";$]|--|/\*""")
-_DOLLAR_QUOTE = re.compile(r"\$(?:[^\W\d]\w*)?\$")
+# PostgreSQL's identifier characters: ASCII letters, digits, _ and $, and every character from
+# U+0080 on (a dollar quote's tag takes no $).
+_IDENTIFIER = r"[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_$\x80-\U0010ffff]*"
+# What the statements of a string are told apart by: words (identifiers and keywords), dollar
+# quotes, semicolons, quotes and comments.
+_TOKEN = re.compile(
+    rf"(?P<word>{_IDENTIFIER})"
+    r"|(?P<dollar>\$(?:[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_\x80-\U0010ffff]*)?\$)"
+    r"""|(?P<mark>[;'"]|--|/\*)"""
+)
+_COMMENT_MARK = re.compile(r"/\*|\*/")
+# Two string constants with only whitespace and a newline between them (comments allowed) are
+# one, which goes on in the first one's way: an E'' string's backslashes still escape.
+_CONTINUATION = re.compile(r"(?:[ \t\f\v]|--[^\n\r]*)*[\n\r](?:[ \t\n\r\f\v]|--[^\n\r]*[\n\r])*'")
+# A statement whose body can hold semicolons outside quotes: BEGIN ATOMIC ... END.
+_ROUTINE = frozenset({("CREATE", "FUNCTION"), ("CREATE", "PROCEDURE")})
 
 
 def _past_comments(statement: str, at: int) -> int:
@@ -432,7 +445,7 @@ def _past_comments(statement: str, at: int) -> int:
     end of the line, ``/* */`` nested as PostgreSQL nests them)."""
     end = len(statement)
     while at < end:
-        if statement[at].isspace():
+        if statement[at] in " \t\n\r\f\v":
             at += 1
         elif statement.startswith("--", at):
             # To the end of the line, which a carriage return ends too.
@@ -440,62 +453,90 @@ def _past_comments(statement: str, at: int) -> int:
             at = end if line_end is None else line_end.end()
         elif statement.startswith("/*", at):
             depth, at = 1, at + 2
-            while at < end and depth:
-                if statement.startswith("/*", at):
-                    depth, at = depth + 1, at + 2
-                elif statement.startswith("*/", at):
-                    depth, at = depth - 1, at + 2
-                else:
-                    at += 1
+            while depth:
+                mark = _COMMENT_MARK.search(statement, at)
+                if mark is None:
+                    return end
+                depth += 1 if mark.group() == "/*" else -1
+                at = mark.end()
         else:
             break
     return at
 
 
-def _in_word(sql: str, at: int) -> bool:
-    """Whether the character of ``sql`` at ``at`` is part of an identifier or keyword."""
-    return at >= 0 and (sql[at].isalnum() or sql[at] in "_$")
-
-
-def _past_quoted(sql: str, at: int, quote: str, backslashes: bool) -> int:
+def _past_quoted(sql: str, at: int, quote: str, backslashes: bool = False) -> int:
     """Where ``sql`` goes on after the quoted text from ``at`` (just past its opening
-    ``quote``): a doubled quote stands for one, and with ``backslashes`` (an ``E''`` string)
-    a backslash escapes the character after it. The end of ``sql`` when the quote is not closed."""
-    end = len(sql)
-    while at < end:
-        if backslashes and sql[at] == "\\":
-            at += 2
-        elif sql[at] != quote:
-            at += 1
-        elif sql.startswith(quote, at + 1):
-            at += 2
+    ``quote``): a doubled quote stands for one, and with ``backslashes`` a backslash escapes
+    the character after it. The end of ``sql`` when the quote is not closed."""
+    close = -1
+    while True:
+        if close < at:
+            close = sql.find(quote, at)
+            if close < 0:
+                return len(sql)
+        slash = sql.find("\\", at, close) if backslashes else -1
+        if slash >= 0:
+            at = slash + 2
+        elif sql.startswith(quote, close + 1):
+            at = close + 2
         else:
-            return at + 1
-    return end
+            return close + 1
 
 
-def _statement_starts(sql: str) -> Iterator[int]:
+def _past_string(sql: str, at: int, backslashes: bool) -> int:
+    """Where ``sql`` goes on after the string constant from ``at`` (just past its opening
+    quote), continued on later lines as PostgreSQL continues one."""
+    while True:
+        at = _past_quoted(sql, at, "'", backslashes)
+        more = _CONTINUATION.match(sql, at)
+        if more is None:
+            return at
+        at = more.end()
+
+
+def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
     """Where each statement of ``sql`` begins: at 0, and after every semicolon that is not
-    inside a quoted string, a quoted identifier, a dollar-quoted string or a comment."""
+    inside a quoted string, a quoted identifier, a dollar-quoted string, a comment or the
+    ``BEGIN ATOMIC ... END`` body of a ``CREATE FUNCTION`` or ``PROCEDURE``, as ``psql`` tells
+    them. A backslash escapes in ``E''`` strings, and with ``backslashes``
+    (``standard_conforming_strings`` off) in every string."""
     yield 0
-    if ";" not in sql:
-        return
     at, end = 0, len(sql)
-    while at < end and (found := _LEXEME.search(sql, at)) is not None:
-        lexeme, start, at = found.group(), found.start(), found.end()
-        if lexeme == ";":
-            yield at
-        elif lexeme in ("--", "/*"):
-            at = _past_comments(sql, start)
-        elif lexeme == "$":
-            # $tag$ opens a dollar quote; $1 is a parameter, and a$b an identifier.
-            tag = _DOLLAR_QUOTE.match(sql, start)
-            if tag is not None and not _in_word(sql, start - 1):
-                close = sql.find(tag.group(), tag.end())
-                at = end if close < 0 else close + len(tag.group())
+    words: list[str] = []  # the statement's first words, OR REPLACE left out
+    depth = 0  # of BEGIN (and CASE) inside a routine's body, against END
+    while at < end and (token := _TOKEN.search(sql, at)) is not None:
+        text, at = token.group(), token.end()
+        if token.lastgroup == "word":
+            word = text.upper()
+            if len(words) < 2 and not (words == ["CREATE"] and word in ("OR", "REPLACE")):
+                words.append(word)
+            if tuple(words) in _ROUTINE:
+                if word in ("BEGIN", "CASE"):
+                    depth += 1
+                elif word == "END" and depth:
+                    depth -= 1
+            if word == "E" and sql.startswith("'", at):
+                at = _past_string(sql, at + 1, backslashes=True)
+        elif token.lastgroup == "dollar":
+            close = sql.find(text, at)
+            at = end if close < 0 else close + len(text)
+        elif text == ";":
+            if not depth:
+                words = []
+                yield at
+        elif text in ("--", "/*"):
+            at = _past_comments(sql, token.start())
+        elif text == "'":
+            at = _past_string(sql, at, backslashes)
         else:
-            escapes = lexeme == "'" and sql[start - 1 : start] in ("E", "e")
-            at = _past_quoted(sql, at, lexeme, escapes and not _in_word(sql, start - 2))
+            at = _past_quoted(sql, at, '"')
+
+
+def _escapes_everywhere(cursor: Any) -> bool:
+    """Whether a backslash escapes in every string of SQL sent on DB-API ``cursor``: its
+    session has ``standard_conforming_strings`` off."""
+    info = getattr(cursor.connection, "info", None)
+    return info is not None and info.parameter_status("standard_conforming_strings") == "off"
 
 
 def _first_words(statement: str, at: int = 0) -> tuple[str, str]:
@@ -513,7 +554,7 @@ def _first_words(statement: str, at: int = 0) -> tuple[str, str]:
 
 
 def _watch_statement(
-    conn: sa.Connection, _cursor: Any, statement: str, _parameters: Any, context: Any, _many: Any
+    conn: sa.Connection, cursor: Any, statement: str, _parameters: Any, context: Any, _many: Any
 ) -> None:
     """A ``before_cursor_execute`` listener for the guard blocks open on ``conn``: SQLAlchemy's
     own savepoints are followed as they open and close; any other SQL of which a statement
@@ -537,7 +578,10 @@ def _watch_statement(
             if clause.ident in block.savepoints:
                 del block.savepoints[block.savepoints.index(clause.ident) :]
         return
-    for start in _statement_starts(statement):
+    starts: Iterable[int] = (0,)
+    if ";" in statement:
+        starts = _statement_starts(statement, backslashes=_escapes_everywhere(cursor))
+    for start in starts:
         first, second = _first_words(statement, start)
         control = f"{first} {second}" if first == "PREPARE" else first
         if control in _TRANSACTION_CONTROL:

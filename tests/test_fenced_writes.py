@@ -1511,8 +1511,21 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
             "ROLLBACK",
         ),
         ("SELECT 1 -- ; end\r; END; BEGIN", "END"),
+        # One E'' string, continued on the next line: its backslashes still escape.
+        ("SELECT E'a'\n'\\''; COMMIT; SELECT 'x'", "COMMIT"),
+        # PostgreSQL takes every character from U+0080 for an identifier's.
+        ("SELECT 1 AS \u20ac$x$; COMMIT; SELECT 1 AS \u20ac$x$", "COMMIT"),
+        ("SELECT $\u20ac$'$\u20ac$; COMMIT; SELECT $\u20ac$'$\u20ac$", "COMMIT"),
     ],
-    ids=["commit then begin", "savepoint", "after quotes", "after a line comment"],
+    ids=[
+        "commit then begin",
+        "savepoint",
+        "after quotes",
+        "after a line comment",
+        "after a continued E string",
+        "after an identifier with a dollar",
+        "after a dollar quote with a non-ASCII tag",
+    ],
 )
 def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(
     store: LeaseStore, protected: Engine, statements: str, keyword: str, expire_lease: Expire
@@ -1535,6 +1548,34 @@ def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(
     assert store.stale_runs() == []
 
 
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_backslashes_are_read_as_the_sessions_strings_take_them(
+    store: LeaseStore, protected: Engine, setting: str, expire_lease: Expire
+) -> None:
+    """With ``standard_conforming_strings`` off, a backslash escapes in every string: the quote
+    after it does not close the string, and the COMMIT after the string is a statement."""
+    lease = acquire(store, "release-41")
+    lose("superseded", store, lease, expire_lease)
+    statements = "SELECT 'a\\'' AS quoted; COMMIT; SELECT 'done'"
+
+    def write_and_send() -> None:
+        with protected.begin() as conn, store.guard(lease, conn, action="publish"):
+            conn.exec_driver_sql(f"SET LOCAL standard_conforming_strings = {setting}")
+            conn.execute(UPDATE, {"value": "stale"})
+            conn.exec_driver_sql(statements)
+
+    if setting == "off":
+        with pytest.raises(ConfigurationError, match=r"^COMMIT refused inside a guard block"):
+            write_and_send()
+    else:
+        # One statement, a string that is not closed: the server refuses it, nothing commits.
+        with pytest.raises(sa.exc.ProgrammingError, match="unterminated quoted string"):
+            write_and_send()
+    touch_every_pooled_connection(protected)
+    assert committed_values(protected) == ["initial"] * 4
+    assert store.stale_runs() == []
+
+
 @pytest.mark.parametrize(
     "statement",
     [
@@ -1546,6 +1587,10 @@ def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(
         "UPDATE protected SET value = 'end' WHERE id = 1 AND 'a; commit' <> E'\\'; rollback'",
         "DO $$BEGIN UPDATE protected SET value = 'end' WHERE id = 1; END$$",
         "UPDATE protected SET value = 'end' WHERE id = 1 /* ; commit */; -- ; commit",
+        "UPDATE protected SET value = 'end' WHERE id = 1 AND E'a'\n'\\'; commit; --' <> ''",
+        "CREATE FUNCTION set_end() RETURNS int LANGUAGE sql BEGIN ATOMIC"
+        " UPDATE protected SET value = CASE WHEN id = 1 THEN 'end' ELSE value END; SELECT 1; END;"
+        " SELECT set_end()",
     ],
     ids=[
         "comment then END in a CASE",
@@ -1555,6 +1600,8 @@ def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(
         "semicolons in strings",
         "END of a DO block",
         "semicolons in comments",
+        "semicolons in a continued E string",
+        "a function body of SQL statements",
     ],
 )
 def test_statements_that_only_mention_transaction_words_are_not_refused(
