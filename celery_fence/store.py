@@ -1230,15 +1230,22 @@ class LeaseStore:
         self.metrics.incr("renew.renewed")
         return self._lease(row, started, ttl_seconds, sharer=lease.sharer)
 
-    def release(self, lease: Lease, *, enforce: bool = True) -> Released:
+    def release(self, lease: Lease, *, enforce: bool = True, finished: bool = True) -> Released:
         """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
         release raises :class:`LeaseLostError` and is recorded (``enforce=False``: as shadow
         mode's). A sharer of a lease shared with continuations (see :meth:`rejoin`) only leaves
-        it, ``"left"``, while others hold it. Raises :class:`FenceDatabaseError` when fenced
-        writers kept the lease's row locked past ``lock_timeout``: the lease is unchanged (it
-        runs out at its expiry), and the release may be tried again."""
+        it, ``"left"``, while others hold it; a continuation's delivery (``lease.sharer``) leaves
+        as finished, so that a redelivery of its message is dropped, or, with
+        ``finished=False`` (its message put back), as one whose redelivery joins in its place.
+        Raises :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
+        ``lock_timeout``: the lease is unchanged (it runs out at its expiry), and the release
+        may be tried again."""
         lease = _a_lease(lease, "release")
-        params = {**self._holder_params(lease, enforce=enforce), "sharer": lease.sharer}
+        params = {
+            **self._holder_params(lease, enforce=enforce),
+            "sharer": lease.sharer,
+            "finished": validation.check_flag(finished, "finished"),
+        }
         row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
         if outcome not in get_args(Released):
@@ -1329,9 +1336,10 @@ class LeaseStore:
         (the lease's ``sharer``, which its release leaves). A later resume with the same prefix
         at that epoch, a redelivery of the same message, is not joined again: ``outcome`` is
         ``"shared"`` (no lease) while the earlier delivery has not left and the lease is held,
-        ``"done"`` (no lease) once it left, its work done; an earlier delivery that never left
-        (its worker lost) keeps the lease shared until it expires, when the resume takes it
-        over as above.
+        ``"done"`` (no lease, nothing recorded) once it left finished, its work done, also when
+        a newer epoch exists; an earlier delivery that never left (its worker lost) keeps the
+        lease shared until it expires, when the resume takes it over as above, and one that left
+        unfinished (``release(finished=False)``) is replaced by the resume's join.
 
         Raises :class:`LeaseLostError` when a newer epoch exists, the lease is paused, or the
         proof does not match; the database records the stale run, under the lease's

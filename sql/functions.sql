@@ -398,7 +398,7 @@ CREATE OR REPLACE FUNCTION celery_fence.release(
     p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
     p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL,
-    p_sharer text DEFAULT NULL
+    p_sharer text DEFAULT NULL, p_finished boolean DEFAULT true
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in renew: the wait behind fenced writers is bounded (lock_not_available), so that a
 -- transaction left open cannot hold up the end of a run; a release that gave up changed
@@ -443,9 +443,10 @@ BEGIN
     RETURNING l.* INTO v_row;
     IF v_row.name IS NOT NULL THEN
         IF p_sharer IS NOT NULL THEN
-            -- A continuation's delivery that joined the epoch (see rejoin) leaves it, its work
-            -- done: a redelivery of its message is dropped from now on.
-            UPDATE celery_fence.joins AS j SET left_at = v_now
+            -- A continuation's delivery that joined the epoch (see rejoin) leaves it: finished,
+            -- a redelivery of its message is dropped from now on; unfinished (its message put
+            -- back), the redelivery joins in its place.
+            UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished
             WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
         END IF;
         IF v_row.released_at IS NULL THEN
@@ -574,12 +575,15 @@ $$;
 -- is held at p_epoch, without locking, extending or sharing it. A newer epoch held by a holder
 -- starting with p_delivery_prefix is an earlier delivery of the continuation's own message:
 -- 'held' (or 'paused') while it holds the lease, taken over once it expired, stale once
--- released. Rejections are recorded.
+-- released. With p_record_join, a resume that joins is kept in joins as the delivery
+-- p_delivery_prefix names, and a later one of the same delivery at that epoch answers 'shared'
+-- while that join holds, 'done' once it finished. Rejections are recorded.
 CREATE OR REPLACE FUNCTION celery_fence.rejoin(
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
     p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL,
-    p_successor text DEFAULT NULL, p_delivery_prefix text DEFAULT NULL
+    p_successor text DEFAULT NULL, p_delivery_prefix text DEFAULT NULL,
+    p_record_join boolean DEFAULT false
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in acquire: a resume waits for the lease's key and row at most this long (lock_not_available).
 SET lock_timeout = '2s'
@@ -593,7 +597,7 @@ DECLARE
     v_answer celery_fence.answer;
     v_waited_from timestamptz;
     v_own boolean := false;
-    v_left boolean;
+    v_join celery_fence.joins;
 BEGIN
     v_error := coalesce(
         celery_fence.argument_error(p_name, p_holder, p_ttl, NULL),
@@ -648,6 +652,24 @@ BEGIN
         v_reason := NULL;
         v_own := true;
     END IF;
+    IF p_record_join AND p_mode = 'resume' AND NOT v_own AND v_row.name IS NOT NULL
+        AND v_reason IS DISTINCT FROM 'forged' AND nullif(p_delivery_prefix, '') IS NOT NULL THEN
+        -- An earlier delivery of this continuation's own message joined this epoch (redelivered
+        -- past the broker's visibility timeout while it runs, or after its worker was lost).
+        -- Finished, it ran to its end: the work is done, whatever became of the lease since,
+        -- and the caller is told so. Still joined, it shares the lease while the lease is held:
+        -- the caller is refused as an acquirer would be, and takes the lease over once it
+        -- expired, as from a lost delivery. Left unfinished (its message put back), it is gone:
+        -- the caller joins in its place.
+        SELECT * INTO v_join FROM celery_fence.joins j
+        WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_delivery_prefix;
+        IF v_join.finished THEN
+            RETURN celery_fence.answer_of('done', NULL, v_row, false, v_now);
+        ELSIF v_join.left_at IS NULL AND v_join.name IS NOT NULL AND v_reason IS NULL
+            AND v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
+            RETURN celery_fence.answer_of('shared', NULL, v_row, false, v_now);
+        END IF;
+    END IF;
     IF v_reason IS NOT NULL THEN
         -- The lease's own environment, or, for a lease that does not exist, the caller's.
         PERFORM celery_fence.record_stale_run(
@@ -657,20 +679,6 @@ BEGIN
     END IF;
     IF p_mode = 'join' THEN
         RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
-    END IF;
-    IF NOT v_own AND nullif(p_delivery_prefix, '') IS NOT NULL THEN
-        -- An earlier delivery of this continuation's own message joined this epoch (redelivered
-        -- past the broker's visibility timeout while it runs, or after its worker was lost).
-        -- Left, it ran to its end: the work is done, and the caller is told so. Still joined,
-        -- it shares the lease while the lease is held: the caller is refused as an acquirer
-        -- would be, and takes the lease over once it expired, as from a lost delivery.
-        SELECT j.left_at IS NOT NULL INTO v_left FROM celery_fence.joins j
-        WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_delivery_prefix;
-        IF v_left THEN
-            RETURN celery_fence.answer_of('done', NULL, v_row, false, v_now);
-        ELSIF NOT v_left AND v_row.released_at IS NULL AND v_row.expires_at > v_now THEN
-            RETURN celery_fence.answer_of('shared', NULL, v_row, false, v_now);
-        END IF;
     END IF;
     IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an
@@ -698,12 +706,12 @@ BEGIN
         )
     WHERE l.name = p_name
     RETURNING l.* INTO v_row;
-    IF nullif(p_delivery_prefix, '') IS NOT NULL THEN
-        -- What a redelivery of this message looks for (above); the joins of earlier epochs
-        -- can tell nothing any more, since a continuation of an earlier epoch is stale.
-        DELETE FROM celery_fence.joins j WHERE j.name = p_name AND j.epoch < p_epoch;
-        INSERT INTO celery_fence.joins (name, epoch, delivery, joined_at)
-        VALUES (p_name, p_epoch, p_delivery_prefix, v_now);
+    IF p_record_join AND nullif(p_delivery_prefix, '') IS NOT NULL THEN
+        -- What a redelivery of this message looks for (above); a join its delivery left
+        -- unfinished is this one's now.
+        INSERT INTO celery_fence.joins AS j (name, epoch, delivery, joined_at)
+        VALUES (p_name, p_epoch, p_delivery_prefix, v_now)
+        ON CONFLICT (name, epoch, delivery) DO UPDATE SET joined_at = v_now, left_at = NULL;
     END IF;
     RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
 END

@@ -16,14 +16,15 @@ SELECT * FROM celery_fence.renew(
 -- name: release
 SELECT * FROM celery_fence.release(
     :name, :epoch, :token, :holder, :enforced, :now,
-    pg_catalog.make_interval(secs => :lock_timeout), :environment, :sharer
+    pg_catalog.make_interval(secs => :lock_timeout), :environment, :sharer,
+    :finished
 )
 
 -- name: rejoin
 SELECT * FROM celery_fence.rejoin(
     :name, :epoch, :holder, :mode, :proof, pg_catalog.make_interval(secs => :ttl), :action,
     :enforced, :now, pg_catalog.make_interval(secs => :lock_timeout), :environment, :successor,
-    :delivery_prefix
+    :delivery_prefix, true
 )
 
 -- name: fence

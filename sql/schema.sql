@@ -107,14 +107,15 @@ CREATE INDEX dispatches_slot_idx
     ON celery_fence.dispatches (schedule, slot DESC, entry);
 
 -- The deliveries of continuations that joined an epoch of a shared lease (see rejoin), one row
--- each, and when each left it: a redelivery of such a message waits while its earlier delivery
--- shares the lease, and is dropped once that delivery left it, its work done. A join deletes the
--- rows of the lease's earlier epochs.
+-- each, and when each left it, finished or not: a redelivery of such a message waits while its
+-- earlier delivery shares the lease, is dropped once that delivery finished, and joins in its
+-- place when it left unfinished (its message put back). Pruned by age (see the runbook).
 CREATE TABLE celery_fence.joins (
     name      text        NOT NULL,
     epoch     bigint      NOT NULL,
     delivery  text        NOT NULL,
     joined_at timestamptz NOT NULL,
     left_at   timestamptz,
+    finished  boolean     NOT NULL DEFAULT false,
     PRIMARY KEY (name, epoch, delivery)
 );

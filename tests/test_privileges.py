@@ -201,7 +201,7 @@ def test_every_grant_of_the_page_is_needed(
         if (match := _GRANT.match(line.strip()))
         for privilege in match["privileges"].split(",")
     ]
-    assert len(privileges) == 15, privileges
+    assert len(privileges) == 14, privileges
     for privilege, target in privileges:
         statement = f"{privilege} ON {target} {{}} {RUNTIME};"
         installed.run_as(OWNER, "REVOKE " + statement.format("FROM"))

@@ -223,7 +223,7 @@ def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_ti
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
     params = {"name": NAME, "epoch": lease.epoch, "token": lease.token, "holder": "a"}
     params |= {"enforced": True, "now": None, "lock_timeout": 0.5, "environment": "prod"}
-    params |= {"sharer": None}
+    params |= {"sharer": None, "finished": True}
     with store.engine.begin() as conn:
         conn.exec_driver_sql("SET LOCAL lock_timeout = '7s'")
         released = conn.execute(sa.text(_sql.queries()["release"]), params).one()
@@ -395,24 +395,26 @@ def test_a_delivery_joins_a_shared_epoch_once_and_its_redelivery_waits_for_it_or
     """A continuation that joins its publisher's held lease is kept as that delivery's join.
     Its message redelivered (another host, past the broker's visibility timeout) is refused
     while that delivery shares the lease, never joined beside it at the same epoch, and dropped
-    once it left; a delivery lost without leaving keeps the lease shared until it expires, and
-    its redelivery then takes it over. None of it is a stale run."""
+    once it finished, also after another message's run took the lease; a delivery that left
+    unfinished (its message put back) is joined in its place; a delivery lost without leaving
+    keeps the lease shared until it expires, and its redelivery then takes it over. None of it
+    is a stale run."""
     parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
     header = resume_header(parent)
 
     def delivery(message: str, host: str) -> Acquisition:
         return delivered(fake_store, header, message, host)
 
-    def joins() -> list[tuple[int, str, bool]]:
+    def joins() -> list[tuple[int, str, bool, bool]]:
         with engine.connect() as conn:
             rows = conn.execute(
                 sa.text(
-                    "SELECT epoch, delivery, left_at IS NOT NULL AS left_it"
+                    "SELECT epoch, delivery, left_at IS NOT NULL AS left_it, finished"
                     " FROM celery_fence.joins WHERE name = :name ORDER BY epoch, delivery"
                 ),
                 {"name": NAME},
             )
-            return [(row.epoch, row.delivery, row.left_it) for row in rows]
+            return [(row.epoch, row.delivery, row.left_it, row.finished) for row in rows]
 
     first = held(delivery("child[1]", "host-a"))
     assert (first.epoch, first.holder, first.sharer) == (parent.epoch, "parent", "child[1]@")
@@ -423,12 +425,21 @@ def test_a_delivery_joins_a_shared_epoch_once_and_its_redelivery_waits_for_it_or
     assert again.expires_in is not None
     assert again.expires_in > 0
     lost = held(delivery("child[2]", "host-a"))  # another message joins beside it
+    requeued = held(delivery("child[3]", "host-a"))
     renewed = fake_store.renew(first)
     assert renewed.sharer == "child[1]@"
     assert fake_store.release(renewed) == "left"
-    assert joins() == [(1, "child[1]@", True), (1, "child[2]@", False)]
+    assert fake_store.release(requeued, finished=False) == "left"
+    assert joins() == [
+        (1, "child[1]@", True, True),
+        (1, "child[2]@", False, False),
+        (1, "child[3]@", True, False),
+    ]
     done = delivery("child[1]", "host-c")
     assert (done.outcome, done.lease) == ("done", None)
+    # The put-back message joins in its earlier delivery's place, and finishes.
+    assert fake_store.release(held(delivery("child[3]", "host-b"))) == "left"
+    assert joins()[2] == (1, "child[3]@", True, True)
     assert fake_store.release(parent) == "left"
     # child[2]'s worker was lost: it never leaves, and its redelivery waits while the lease
     # is shared; once the lease expired, the redelivery takes it over at the next epoch.
@@ -438,18 +449,36 @@ def test_a_delivery_joins_a_shared_epoch_once_and_its_redelivery_waits_for_it_or
     took = delivery("child[2]", "host-b")
     assert took.lease is not None
     assert (took.outcome, took.lease.epoch, took.lease.sharer) == ("resumed", 2, None)
-    # A join at the new epoch drops the joins of the earlier one.
-    child = {
-        **header,
-        "epoch": 2,
-        "holder": "child[2]@host-b",
-        "proof": proof(took.lease, "resume"),
-    }
-    joined = held(fake_store.rejoin(NAME, **child, delivery_prefix="grandchild[1]@"))
-    assert joins() == [(2, "grandchild[1]@", False)]
-    assert fake_store.release(joined) == "left"
+    # A newer epoch does not hide a finished delivery: its redelivery is dropped, not stale.
+    assert delivery("child[1]", "host-d").outcome == "done"
+    with pytest.raises(LeaseLostError) as stale:
+        delivery("child[4]", "host-a")
+    assert stale.value.reason == "superseded"
     assert fake_store.release(took.lease) == "released"
-    assert fake_store.stale_runs() == []
+    assert [(run.stale_holder, run.reason) for run in fake_store.stale_runs()] == [
+        ("parent", "superseded")
+    ]
+
+
+def test_a_resume_from_a_previous_version_joins_as_before_without_recording_its_join(
+    store: LeaseStore, engine: Engine
+) -> None:
+    """Workers of schema 15 pass a delivery prefix but know no ``shared`` or ``done`` answer:
+    their resume, which does not ask for its join to be recorded, joins as it did then."""
+    parent = held(store.acquire(NAME, holder="parent", ttl=30, environment="prod"))
+    earlier_call = sa.text(
+        "SELECT outcome FROM celery_fence.rejoin(:name, :epoch, :holder, 'resume', :proof,"
+        " interval '30 s', 'start child', true, NULL, interval '2 s', NULL, NULL, :prefix)"
+    )
+    arguments = {"name": NAME, "epoch": parent.epoch, "holder": parent.holder}
+    arguments |= {"proof": bytes.fromhex(proof(parent, "resume")), "prefix": "child[1]@"}
+    with engine.begin() as conn:
+        outcomes = [conn.execute(earlier_call, arguments).scalar() for _ in range(2)]
+        recorded = conn.execute(sa.text("SELECT count(*) FROM celery_fence.joins")).scalar()
+    assert (outcomes, recorded) == (["joined", "joined"], 0)
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (parent.epoch, "held")
 
 
 @pytest.fixture
@@ -912,7 +941,7 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
         assert won.outcome == "acquired"
         assert call("acquire", **acquire, holder="b").outcome == "held"
         own = {"epoch": won.epoch, "token": won.token, "holder": "a", "enforced": True}
-        own |= {"sharer": None}
+        own |= {"sharer": None, "finished": True}
         forged = {**own, "token": uuid.uuid4()}
         assert call("renew", **own, ttl=60).outcome == "renewed"
         assert call("renew", **forged, ttl=60).outcome == "lost"

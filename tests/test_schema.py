@@ -294,6 +294,23 @@ CALL_RENEW = (
     "SELECT outcome, reason FROM celery_fence.renew('x', 1, gen_random_uuid(), interval '9 s')"
 )
 
+# release's and rejoin's arguments in early schemas, a call of each that leaves every later one
+# out, and how their arguments end now.
+RELEASE_OF_SCHEMA_6 = """
+    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
+    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL"""
+CALL_RELEASE = "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())"
+RELEASE_ENDS = "p_environment text, p_sharer text, p_finished boolean"
+REJOIN_OF_SCHEMA_5 = """
+    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
+    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
+    p_lock_timeout interval DEFAULT interval '2 seconds'"""
+CALL_REJOIN = (
+    "SELECT outcome, reason FROM celery_fence.rejoin("
+    "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')"
+)
+REJOIN_ENDS = "p_successor text, p_delivery_prefix text, p_record_join boolean"
+
 # Each: the function, the arguments an earlier schema gave it, the version that dropped that
 # signature, a call that leaves the newer arguments out, what it answers (outcome and reason),
 # and how the arguments of the one left end.
@@ -319,52 +336,50 @@ SUPERSEDED_SIGNATURES = [
     ),
     pytest.param(
         "release",
-        """
-    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
-    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL""",
+        RELEASE_OF_SCHEMA_6,
         7,
-        "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
+        CALL_RELEASE,
         STALE_CALL,
-        "p_lock_timeout interval, p_environment text, p_sharer text",
+        RELEASE_ENDS,
         id="release without a lock timeout and its environment",
     ),
     pytest.param(
         "release",
-        """
-    p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
-    p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL""",
+        f"{RELEASE_OF_SCHEMA_6}, p_lock_timeout interval DEFAULT interval '2 seconds',"
+        " p_environment text DEFAULT NULL",
         16,
-        "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())",
+        CALL_RELEASE,
         STALE_CALL,
-        "p_lock_timeout interval, p_environment text, p_sharer text",
+        RELEASE_ENDS,
         id="release without the sharer",
     ),
     pytest.param(
         "rejoin",
-        """
-    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
-    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds'""",
+        REJOIN_OF_SCHEMA_5,
         6,
-        "SELECT outcome, reason FROM celery_fence.rejoin("
-        "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
+        CALL_REJOIN,
         STALE_CALL,
-        "p_environment text, p_successor text, p_delivery_prefix text",
+        REJOIN_ENDS,
         id="rejoin without its environment, successor and delivery prefix",
     ),
     pytest.param(
         "rejoin",
-        """
-    p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
-    p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
-    p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL""",
+        f"{REJOIN_OF_SCHEMA_5}, p_environment text DEFAULT NULL",
         11,
-        "SELECT outcome, reason FROM celery_fence.rejoin("
-        "'x', 1, 'a', 'join', '\\x00'::bytea, interval '9 s')",
+        CALL_REJOIN,
         STALE_CALL,
-        "p_environment text, p_successor text, p_delivery_prefix text",
+        REJOIN_ENDS,
         id="rejoin with its environment, without its successor and delivery prefix",
+    ),
+    pytest.param(
+        "rejoin",
+        f"{REJOIN_OF_SCHEMA_5}, p_environment text DEFAULT NULL, p_successor text DEFAULT NULL,"
+        " p_delivery_prefix text DEFAULT NULL",
+        16,
+        CALL_REJOIN,
+        STALE_CALL,
+        REJOIN_ENDS,
+        id="rejoin without recording joins",
     ),
     pytest.param(
         "bound_lock_wait",

@@ -816,6 +816,36 @@ def test_a_run_whose_message_is_requeued_keeps_its_lease_until_it_expires(
     assert deliveries == ["prod"] * len(ends)
 
 
+def test_a_child_sharing_its_parents_lease_whose_message_is_requeued_joins_again_at_once(
+    fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
+) -> None:
+    """A child that joined its parent's held lease and puts its message back
+    (``Reject(requeue=True)``) leaves the lease unfinished at once, instead of keeping it until
+    it expires: the requeued message joins the same epoch in its place and runs, while the
+    parent still holds the lease."""
+    runs: list[int | None] = []
+
+    @fence.task(lease="release:{environment}", acks_late=True)
+    def child(environment: str) -> None:
+        runs.append(fence.current().epoch)
+        if len(runs) == 1:
+            raise Reject("not now", requeue=True)
+
+    parent = store.acquire(NAME, holder=HOLDER, ttl=60).lease
+    assert parent is not None
+    header = {**FenceHeader.for_lease(parent, "resume").to_message(), "publication": "f" * 32}
+    with worker():
+        result = child.apply_async(("prod",), headers={HEADER: header})
+        assert wait.finished(result) == states.SUCCESS
+
+    assert runs == [parent.epoch, parent.epoch]
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.holder, owner.state) == (parent.epoch, HOLDER, "held")
+    assert store.release(parent) == "released"  # the child's two deliveries both left
+    assert fence.store.metrics.get("busy.wait") == 0
+
+
 @pytest.mark.parametrize("interruption", [SystemExit, KeyboardInterrupt])
 @pytest.mark.parametrize("acks_late", [True, False])
 def test_a_run_stopped_in_the_middle_keeps_its_lease_until_it_expires(

@@ -467,11 +467,23 @@ class Fence:
         """Stop renewing; release the lease if this run holds it and need not keep it (a
         continuation sharing its publisher's lease only leaves it). With ``keep`` (why: its
         message is requeued, or the run was interrupted) the lease is kept until it expires: a
-        released lease would tell the message's redelivery that its work was done."""
+        released lease would tell the message's redelivery that its work was done. A
+        continuation's delivery that shares the lease leaves it unfinished instead."""
         if run.keeper is not None:
             run.keeper.stop()
         lease = run.lease
         if lease is None:
+            return
+        if keep is not None and lease.sharer is not None:
+            # A continuation's share: its join, left unfinished, tells the message's redelivery
+            # to join in its place, so the lease need not run out first.
+            log.info(
+                "leaving lease %s unfinished: %s",
+                lease.name,
+                keep,
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
+            self._release(lease, enforced=run.enforced, finished=False)
             return
         if keep is not None:
             log.info(
@@ -491,10 +503,10 @@ class Fence:
             return
         self._release(lease, enforced=run.enforced)
 
-    def _release(self, lease: Lease, *, enforced: bool) -> None:
+    def _release(self, lease: Lease, *, enforced: bool, finished: bool = True) -> None:
         """Release ``lease`` at the end of a run; a release that fails leaves it to expire."""
         try:
-            self.store.release(lease, enforce=enforced)
+            self.store.release(lease, enforce=enforced, finished=finished)
         except LeaseLostError:
             pass  # already logged, counted and recorded by the store
         except FenceError as exc:
@@ -1024,8 +1036,9 @@ class FencedTask(Task):  # type: ignore[misc]
             assert owner is not None
             self.fence.store.metrics.incr("busy.wait")
             waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
+            whose = "shared with " if got.outcome == "shared" else ""
             self._retry_busy(
-                f"{message} (an earlier delivery of this message)",
+                f"{message} ({whose}an earlier delivery of this message)",
                 error,
                 got.expires_in,
                 {WAITING: waiting},
