@@ -395,14 +395,17 @@ _CHECKED: weakref.WeakKeyDictionary[sa.Connection, list[_Checked]] = weakref.Wea
 
 class _Block:
     """What a guard block has seen of its transaction's statements: whether one ran since the
-    transaction began (or rolled back). On a Connection, the savepoints SQLAlchemy opened in
-    the block and has not closed yet; on a Session, the nested transactions open when the block
-    began (a Session emits the savepoint of one begun in the block only at its next statement,
-    and may keep savepoints of its own on the Connection)."""
+    transaction began (or rolled back), and the savepoints SQLAlchemy opened in the block and
+    has not closed yet. On a Session, also the nested transactions open when the block began (a
+    Session emits the savepoint of one begun in the block only at its next statement), and the
+    savepoints the Session opened as it began a transaction (``sessions_own``: its own nested
+    transactions, which it tells of, and the savepoint a Session joined to an outer transaction
+    keeps on the Connection)."""
 
     def __init__(self, guarded: sa.Connection | Session) -> None:
         self.ran = False
         self.savepoints: list[str] = []
+        self.sessions_own: set[str] = set()
         self.session = isinstance(guarded, Session)
         self.nested: list[Any] = []
         if isinstance(guarded, Session):
@@ -416,6 +419,8 @@ class _Block:
 # to the Connection it begins a transaction on after a rollback.
 _BLOCKS: weakref.WeakKeyDictionary[sa.Connection, list[_Block]] = weakref.WeakKeyDictionary()
 _SESSION_BLOCKS: weakref.WeakKeyDictionary[Session, list[_Block]] = weakref.WeakKeyDictionary()
+# The savepoint a Connection in guard blocks opened with its latest statement, if that was one.
+_OPENED: weakref.WeakKeyDictionary[sa.Connection, str] = weakref.WeakKeyDictionary()
 # The statements that end or split a transaction, by their first word (and second).
 _TRANSACTION_CONTROL = frozenset(
     {"COMMIT", "END", "ROLLBACK", "ABORT", "SAVEPOINT", "RELEASE", "PREPARE TRANSACTION"}
@@ -565,10 +570,11 @@ def _watch_statement(
     if not blocks:
         return
     clause = getattr(getattr(context, "compiled", None), "statement", None)
+    _OPENED.pop(conn, None)
     if isinstance(clause, sa.sql.elements.SavepointClause):
         for block in blocks:
-            if not block.session:
-                block.savepoints.append(clause.ident)
+            block.savepoints.append(clause.ident)
+        _OPENED[conn] = clause.ident
         return
     if isinstance(
         clause, (sa.sql.elements.ReleaseSavepointClause, sa.sql.elements.RollbackToSavepointClause)
@@ -604,10 +610,15 @@ def _rolled_back(conn: sa.Connection) -> None:
 
 def _session_began(session: Session, _transaction: Any, connection: sa.Connection) -> None:
     """An ``after_begin`` listener: a Session in guard blocks begins a transaction on a
-    Connection (after a rollback, another one): its blocks watch that one's statements."""
+    Connection (after a rollback, another one): its blocks watch that one's statements. A
+    savepoint it opened to begin it is the Session's own."""
     blocks = _SESSION_BLOCKS.get(session)
     if blocks:
         _BLOCKS[connection] = blocks
+        opened = _OPENED.pop(connection, None)
+        if opened is not None:
+            for block in blocks:
+                block.sessions_own.add(opened)
 
 
 def _checked_connection(
@@ -619,7 +630,8 @@ def _checked_connection(
     block past SQLAlchemy (the DB-API connection's ``commit()``, a ``COMMIT`` sent on a DB-API
     cursor of its own), so that what it wrote before was not fenced."""
     nested = guarded.get_nested_transaction() if isinstance(guarded, Session) else None
-    if block.savepoints or not (nested is None or any(nested is t for t in block.nested)):
+    left_open = [ident for ident in block.savepoints if ident not in block.sessions_own]
+    if left_open or not (nested is None or any(nested is t for t in block.nested)):
         raise ConfigurationError(
             f"guard block for {action!r} left a nested transaction (savepoint) open: the fence "
             "check would run inside it, and a rollback to it after the block would release the "

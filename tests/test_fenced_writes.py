@@ -1721,8 +1721,13 @@ def test_a_session_joined_to_an_outer_transaction_through_a_savepoint_is_fenced(
             session.execute(UPDATE, {"value": "rolled back"})
             session.rollback()
             session.execute(UPDATE, {"value": "kept"})
+            with session.begin_nested():
+                session.execute(UPDATE, {"value": "in a savepoint"})
+            with session.connection().begin_nested():
+                session.execute(UPDATE, {"value": "in a savepoint of its connection"})
         session.commit()
-    assert committed_values(protected) == ["initial", "kept"]
+    expected = ["initial", "kept", "in a savepoint", "in a savepoint of its connection"]
+    assert committed_values(protected) == expected
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -1766,6 +1771,26 @@ def test_a_nested_transaction_left_open_by_the_block_is_refused_before_the_check
         with pytest.raises(ConfigurationError, match="left a nested transaction"):
             write_and_open_a_savepoint(session)
         session.rollback()
+
+    opened: list[sa.NestedTransaction] = []
+
+    def open_a_savepoint_of_its_connection(session: Session, *, roll_back: bool) -> None:
+        with store.guard(lease, session, action="publish"):
+            session.execute(UPDATE, {"value": "before the savepoint"})
+            if roll_back:  # a Session's own savepoint comes back with its next statement
+                session.rollback()
+                session.execute(UPDATE, {"value": "before the savepoint"})
+            opened.append(session.connection().begin_nested())
+
+    # A savepoint of the Session's Connection, opened past the Session.
+    for joined in (False, True):  # to an outer transaction through a savepoint of its own
+        with protected.connect() as conn, conn.begin():
+            mode = "create_savepoint" if joined else "rollback_only"
+            with Session(bind=conn, join_transaction_mode=mode) as session:
+                with pytest.raises(ConfigurationError, match="left a nested transaction"):
+                    open_a_savepoint_of_its_connection(session, roll_back=joined)
+                opened.pop().rollback()
+                session.rollback()
     assert committed_values(protected) == ["initial"]
     assert store.stale_runs() == []
     assert store.release(lease) == "released"  # at once: no check left the row locked
