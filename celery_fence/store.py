@@ -435,7 +435,7 @@ _IDENTIFIER = r"[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_$\x80-\U0010ffff]*"
 _TOKEN = re.compile(
     rf"(?P<word>{_IDENTIFIER})"
     r"|(?P<dollar>\$(?:[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_\x80-\U0010ffff]*)?\$)"
-    r"""|(?P<mark>[;'"]|--|/\*)"""
+    r"""|(?P<mark>[;'"()]|--|/\*)"""
 )
 _COMMENT_MARK = re.compile(r"/\*|\*/")
 # Two string constants with only whitespace and a newline between them (comments allowed) are
@@ -502,24 +502,35 @@ def _past_string(sql: str, at: int, backslashes: bool) -> int:
 def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
     """Where each statement of ``sql`` begins: at 0, and after every semicolon that is not
     inside a quoted string, a quoted identifier, a dollar-quoted string, a comment or the
-    ``BEGIN ATOMIC ... END`` body of a ``CREATE FUNCTION`` or ``PROCEDURE``, as ``psql`` tells
-    them. A backslash escapes in ``E''`` strings, and with ``backslashes``
-    (``standard_conforming_strings`` off) in every string."""
+    ``BEGIN ATOMIC ... END`` body of a ``CREATE FUNCTION`` or ``PROCEDURE``. A backslash escapes
+    in ``E''`` strings, and with ``backslashes`` (``standard_conforming_strings`` off) in every
+    string. Raises :class:`ConfigurationError` for SQL whose body does not end where a statement
+    could: its statements cannot be told apart."""
     yield 0
     at, end = 0, len(sql)
     words: list[str] = []  # the statement's first words, OR REPLACE left out
-    depth = 0  # of BEGIN (and CASE) inside a routine's body, against END
+    depth = 0  # of a routine's BEGIN ATOMIC body, and of the CASE expressions inside it
+    parentheses = 0
+    named = False  # the last token was AS or a dot: the word after it is a name, not a keyword
     while at < end and (token := _TOKEN.search(sql, at)) is not None:
         text, at = token.group(), token.end()
+        after_name, named = named, False
         if token.lastgroup == "word":
             word = text.upper()
             if len(words) < 2 and not (words == ["CREATE"] and word in ("OR", "REPLACE")):
                 words.append(word)
-            if tuple(words) in _ROUTINE:
-                if word in ("BEGIN", "CASE"):
+            keyword = not (after_name or sql[token.start() - 1 : token.start()] == ".")
+            if keyword and not parentheses and tuple(words) in _ROUTINE:
+                # The body opens with BEGIN ATOMIC; a CASE inside it ends with an END too.
+                if depth:
+                    opens = word == "CASE"
+                else:
+                    opens = word == "BEGIN" and _first_words(sql, at)[0] == "ATOMIC"
+                if opens:
                     depth += 1
                 elif word == "END" and depth:
                     depth -= 1
+            named = word == "AS" or sql.startswith(".", at)
             if word == "E" and sql.startswith("'", at):
                 at = _past_string(sql, at + 1, backslashes=True)
         elif token.lastgroup == "dollar":
@@ -527,14 +538,25 @@ def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
             at = end if close < 0 else close + len(text)
         elif text == ";":
             if not depth:
-                words = []
+                words, parentheses = [], 0
                 yield at
+        elif text == "(":
+            parentheses += 1
+        elif text == ")":
+            parentheses = max(parentheses - 1, 0)
         elif text in ("--", "/*"):
             at = _past_comments(sql, token.start())
+            named = after_name
         elif text == "'":
             at = _past_string(sql, at, backslashes)
         else:
             at = _past_quoted(sql, at, '"')
+    if depth:
+        raise ConfigurationError(
+            "SQL refused inside a guard block: a BEGIN ATOMIC body of its CREATE FUNCTION or "
+            "PROCEDURE has no END where a statement could end, so its statements cannot be "
+            "told apart; send them one at a time"
+        )
 
 
 def _escapes_everywhere(cursor: Any) -> bool:
@@ -1248,7 +1270,9 @@ class LeaseStore:
         mode's). A sharer of a lease shared with continuations (see :meth:`rejoin`) only leaves
         it, ``"left"``, while others hold it; a continuation's delivery (``lease.sharer``) leaves
         as finished, so that a redelivery of its message is dropped, or, with
-        ``finished=False`` (its message put back), as one whose redelivery joins in its place.
+        ``finished=False`` (its message put back), keeping its share for the redelivery, which
+        joins in its place; such a delivery leaves once, however often it releases. A sharer
+        without a delivery counts each release as one sharer leaving.
         Raises :class:`FenceDatabaseError` when fenced writers kept the lease's row locked past
         ``lock_timeout``: the lease is unchanged (it runs out at its expiry), and the release
         may be tried again."""

@@ -411,6 +411,7 @@ DECLARE
     v_row celery_fence.leases;
     v_now timestamptz;
     v_reason text;
+    v_join celery_fence.joins;
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
@@ -433,6 +434,28 @@ BEGIN
     PERFORM pg_advisory_xact_lock(celery_fence.writers_key(p_name)) FROM celery_fence.leases l
     WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
     v_now := coalesce(p_now, clock_timestamp());
+    IF p_sharer IS NOT NULL THEN
+        -- A continuation's delivery that joined the epoch (see rejoin) leaves it: finished, a
+        -- redelivery of its message is dropped from now on; unfinished (its message put back),
+        -- its share is kept for the redelivery, which joins in its place (or takes the lease
+        -- over once it expired unrenewed). A delivery that left already leaves nothing more.
+        SELECT * INTO v_row FROM celery_fence.leases l
+        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
+          AND l.released_at IS NULL AND l.expires_at > v_now;
+        SELECT * INTO v_join FROM celery_fence.joins j
+        WHERE v_row.name IS NOT NULL
+          AND j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
+        FOR UPDATE;
+        IF v_join.left_at IS NOT NULL THEN
+            RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
+        ELSIF v_join.name IS NOT NULL THEN
+            UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished
+            WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
+            IF NOT p_finished THEN
+                RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
+            END IF;
+        END IF;
+    END IF;
     UPDATE celery_fence.leases AS l SET
         sharers = greatest(l.sharers - 1, 0),
         released_at = CASE WHEN l.sharers <= 1 THEN v_now END,
@@ -442,13 +465,6 @@ BEGIN
       AND l.released_at IS NULL AND l.expires_at > v_now
     RETURNING l.* INTO v_row;
     IF v_row.name IS NOT NULL THEN
-        IF p_sharer IS NOT NULL THEN
-            -- A continuation's delivery that joined the epoch (see rejoin) leaves it: finished,
-            -- a redelivery of its message is dropped from now on; unfinished (its message put
-            -- back), the redelivery joins in its place.
-            UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished
-            WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
-        END IF;
         IF v_row.released_at IS NULL THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
         END IF;
@@ -700,7 +716,8 @@ BEGIN
     END IF;
     UPDATE celery_fence.leases AS l SET
         renewed_at = v_now,
-        sharers = l.sharers + 1,
+        -- A join left unfinished (see release) kept its share for this one.
+        sharers = l.sharers + CASE WHEN v_join.name IS NULL THEN 1 ELSE 0 END,
         expires_at = greatest(
             l.expires_at, least(v_now + celery_fence.span(p_ttl), l.hold_until)
         )
@@ -711,7 +728,8 @@ BEGIN
         -- unfinished is this one's now.
         INSERT INTO celery_fence.joins AS j (name, epoch, delivery, joined_at)
         VALUES (p_name, p_epoch, p_delivery_prefix, v_now)
-        ON CONFLICT (name, epoch, delivery) DO UPDATE SET joined_at = v_now, left_at = NULL;
+        ON CONFLICT (name, epoch, delivery)
+        DO UPDATE SET joined_at = v_now, left_at = NULL, finished = false;
     END IF;
     RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
 END

@@ -1516,6 +1516,22 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
         # PostgreSQL takes every character from U+0080 for an identifier's.
         ("SELECT 1 AS \u20ac$x$; COMMIT; SELECT 1 AS \u20ac$x$", "COMMIT"),
         ("SELECT $\u20ac$'$\u20ac$; COMMIT; SELECT $\u20ac$'$\u20ac$", "COMMIT"),
+        # BEGIN opens a function's body only before ATOMIC; END after AS is a name.
+        (
+            "CREATE FUNCTION pg_temp.begin(begin int) RETURNS int LANGUAGE sql"
+            " SET search_path = begin AS 'SELECT 1'; COMMIT",
+            "COMMIT",
+        ),
+        (
+            "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql BEGIN ATOMIC"
+            " SELECT CASE WHEN true THEN 1 END AS case; END; COMMIT",
+            "COMMIT",
+        ),
+        # A body with no END where a statement could end: its statements cannot be told apart.
+        (
+            "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; COMMIT",
+            "SQL",
+        ),
     ],
     ids=[
         "commit then begin",
@@ -1525,6 +1541,9 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
         "after a continued E string",
         "after an identifier with a dollar",
         "after a dollar quote with a non-ASCII tag",
+        "after a function with begin for names",
+        "after a function body with case for a name",
+        "in a function body with no end",
     ],
 )
 def test_transaction_control_after_another_statement_of_the_same_sql_is_refused(

@@ -460,6 +460,36 @@ def test_a_delivery_joins_a_shared_epoch_once_and_its_redelivery_waits_for_it_or
     ]
 
 
+def test_a_delivery_that_leaves_unfinished_keeps_its_share_for_its_redelivery(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory
+) -> None:
+    """The last sharer, whose message was put back, leaves the lease unfinished: the lease is
+    not released, so that no other run takes it before the redelivery joins in its place. Not
+    redelivered, the lease runs out at its expiry. A share left twice is left once."""
+    parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
+    header = resume_header(parent)
+    child = held(delivered(fake_store, header, "child[1]", "host-a"))
+    assert fake_store.release(parent) == "left"
+    assert fake_store.release(child, finished=False) == "left"
+    assert fake_store.release(child) == "left"  # left already: nothing more
+    owner = fake_store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (parent.epoch, "held")
+    assert fake_store.acquire(NAME, holder="another", ttl=10).outcome == "held"
+    again = held(delivered(fake_store, header, "child[1]", "host-b"))
+    assert (again.epoch, again.sharer) == (parent.epoch, "child[1]@")
+    assert fake_store.release(again) == "released"  # the one share, handed on
+    assert [entry.end_reason for entry in fake_store.history(NAME)] == ["released"]
+    # Not redelivered: the share kept for it runs out with the lease.
+    later = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
+    stopped = held(delivered(fake_store, resume_header(later), "child[2]", "host-a"))
+    assert fake_store.release(later) == "left"
+    assert fake_store.release(stopped, finished=False) == "left"
+    frozen.tick(11)
+    assert fake_store.acquire(NAME, holder="another", ttl=10).outcome == "acquired"
+    assert fake_store.stale_runs() == []
+
+
 def test_a_resume_from_a_previous_version_joins_as_before_without_recording_its_join(
     store: LeaseStore, engine: Engine
 ) -> None:
