@@ -276,10 +276,10 @@ def owner_dict(owner: Owner | None) -> dict[str, Any] | None:
 
 def lease_dict(lease: Lease) -> dict[str, Any]:
     """A held lease with its token (the CLI's caller is the holder). The monotonic deadline
-    means nothing to another process, and the sharer is a continuation's (the CLI makes none):
-    both are left out."""
+    means nothing to another process, and the sharer and its join time are a continuation's
+    (the CLI makes none): they are left out."""
     data = dataclasses.asdict(lease)
-    del data["deadline"], data["sharer"]
+    del data["deadline"], data["sharer"], data["joined_at"]
     return data
 
 

@@ -74,7 +74,8 @@ class Lease:
     stops trusting the lease even if the database has not yet handed it on.
 
     ``sharer`` is the delivery a continuation joined a shared lease as (see
-    :meth:`LeaseStore.rejoin`), which renewals keep and its release leaves; ``None`` otherwise.
+    :meth:`LeaseStore.rejoin`), and ``joined_at`` when it joined, which renewals keep and its
+    release leaves; ``None`` otherwise.
     """
 
     name: str
@@ -89,6 +90,7 @@ class Lease:
     ttl: float
     deadline: float
     sharer: str | None = None
+    joined_at: datetime | None = None
 
     def remaining(self) -> float:
         """Seconds this holder may still trust the lease (negative once past its deadline)."""

@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, get_args
 from uuid import UUID
@@ -435,7 +436,7 @@ _IDENTIFIER = r"[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_$\x80-\U0010ffff]*"
 _TOKEN = re.compile(
     rf"(?P<word>{_IDENTIFIER})"
     r"|(?P<dollar>\$(?:[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_\x80-\U0010ffff]*)?\$)"
-    r"""|(?P<mark>[;'"()]|--|/\*)"""
+    r"""|(?P<mark>[;'"().]|--|/\*)"""
 )
 _COMMENT_MARK = re.compile(r"/\*|\*/")
 # Two string constants with only whitespace and a newline between them (comments allowed) are
@@ -519,8 +520,7 @@ def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
             word = text.upper()
             if len(words) < 2 and not (words == ["CREATE"] and word in ("OR", "REPLACE")):
                 words.append(word)
-            keyword = not (after_name or sql[token.start() - 1 : token.start()] == ".")
-            if keyword and not parentheses and tuple(words) in _ROUTINE:
+            if not after_name and not parentheses and tuple(words) in _ROUTINE:
                 # The body opens with BEGIN ATOMIC; a CASE inside it ends with an END too.
                 if depth:
                     opens = word == "CASE"
@@ -530,7 +530,7 @@ def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
                     depth += 1
                 elif word == "END" and depth:
                     depth -= 1
-            named = word == "AS" or sql.startswith(".", at)
+            named = word == "AS"
             if word == "E" and sql.startswith("'", at):
                 at = _past_string(sql, at + 1, backslashes=True)
         elif token.lastgroup == "dollar":
@@ -544,6 +544,9 @@ def _statement_starts(sql: str, *, backslashes: bool = False) -> Iterator[int]:
             parentheses += 1
         elif text == ")":
             parentheses = max(parentheses - 1, 0)
+        elif text == ".":
+            # Between the parts of a qualified name (t.end, t . end), not in a number (1.5).
+            named = not sql[token.start() - 1 : token.start()].isdigit()
         elif text in ("--", "/*"):
             at = _past_comments(sql, token.start())
             named = after_name
@@ -796,6 +799,8 @@ def _a_lease(value: object, what: str) -> Lease:
         validation.check_text(
             value.sharer, f"{what}: the lease's sharer", max_length=validation.MAX_NAME_LENGTH
         )
+    if value.joined_at is not None:
+        validation.check_aware(value.joined_at, f"{what}: the lease's joined_at")
     return value
 
 
@@ -1262,7 +1267,9 @@ class LeaseStore:
         if row["outcome"] != "renewed":
             raise self._rejected(params, row, "renew")
         self.metrics.incr("renew.renewed")
-        return self._lease(row, started, ttl_seconds, sharer=lease.sharer)
+        return replace(
+            self._lease(row, started, ttl_seconds), sharer=lease.sharer, joined_at=lease.joined_at
+        )
 
     def release(self, lease: Lease, *, enforce: bool = True, finished: bool = True) -> Released:
         """Give the lease up at once (idempotent): ``"released"``. Only its holder can: a stale
@@ -1281,6 +1288,7 @@ class LeaseStore:
             **self._holder_params(lease, enforce=enforce),
             "sharer": lease.sharer,
             "finished": validation.check_flag(finished, "finished"),
+            "joined_at": lease.joined_at,
         }
         row = self._call_as_holder("release", "released", lease, params)
         outcome: Released = row["outcome"]
@@ -1427,9 +1435,11 @@ class LeaseStore:
         if mode == "join":
             # A check: the lease stays its holder's alone.
             return Acquisition(outcome=row["outcome"], lease=None, owner=_owner(row))
-        # A join of a delivery the database keeps (see "shared" above) is left as that delivery.
-        sharer = prefix if row["outcome"] == "joined" else None
-        lease = self._lease(row, started, ttl_seconds, sharer=sharer)
+        lease = self._lease(row, started, ttl_seconds)
+        if row["outcome"] == "joined" and prefix is not None:
+            # A join the database keeps (see "shared" above): left as that delivery, which
+            # joined as the lease was renewed.
+            lease = replace(lease, sharer=prefix, joined_at=row["renewed_at"])
         if row["outcome"] == "resumed":
             log.info(
                 "lease %s taken over by %s at epoch %d, continuing epoch %d",
@@ -1944,9 +1954,7 @@ class LeaseStore:
             )
         return limit
 
-    def _lease(
-        self, row: Mapping[str, Any], started: float, ttl: float, *, sharer: str | None = None
-    ) -> Lease:
+    def _lease(self, row: Mapping[str, Any], started: float, ttl: float) -> Lease:
         trusted_for = max(0.0, float(row["remaining"])) * (1.0 - self.safety_margin)
         return Lease(
             name=row["name"],
@@ -1960,7 +1968,6 @@ class LeaseStore:
             hold_until=row["hold_until"],
             ttl=ttl,
             deadline=started + trusted_for,
-            sharer=sharer,
         )
 
     def _rows(

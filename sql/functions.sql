@@ -398,7 +398,8 @@ CREATE OR REPLACE FUNCTION celery_fence.release(
     p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,
     p_lock_timeout interval DEFAULT interval '2 seconds', p_environment text DEFAULT NULL,
-    p_sharer text DEFAULT NULL, p_finished boolean DEFAULT true
+    p_sharer text DEFAULT NULL, p_finished boolean DEFAULT true,
+    p_joined_at timestamptz DEFAULT NULL
 ) RETURNS celery_fence.answer LANGUAGE plpgsql VOLATILE
 -- As in renew: the wait behind fenced writers is bounded (lock_not_available), so that a
 -- transaction left open cannot hold up the end of a run; a release that gave up changed
@@ -438,7 +439,8 @@ BEGIN
         -- A continuation's delivery that joined the epoch (see rejoin) leaves it: finished, a
         -- redelivery of its message is dropped from now on; unfinished (its message put back),
         -- its share is kept for the redelivery, which joins in its place (or takes the lease
-        -- over once it expired unrenewed). A delivery that left already leaves nothing more.
+        -- over once it expired unrenewed). A delivery that left already, or whose join a
+        -- redelivery took since (p_joined_at, when it joined, tells), leaves nothing more.
         SELECT * INTO v_row FROM celery_fence.leases l
         WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
           AND l.released_at IS NULL AND l.expires_at > v_now;
@@ -446,7 +448,8 @@ BEGIN
         WHERE v_row.name IS NOT NULL
           AND j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
         FOR UPDATE;
-        IF v_join.left_at IS NOT NULL THEN
+        IF v_join.left_at IS NOT NULL
+            OR v_join.joined_at IS DISTINCT FROM coalesce(p_joined_at, v_join.joined_at) THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
         ELSIF v_join.name IS NOT NULL THEN
             UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished

@@ -17,7 +17,7 @@ SELECT * FROM celery_fence.renew(
 SELECT * FROM celery_fence.release(
     :name, :epoch, :token, :holder, :enforced, :now,
     pg_catalog.make_interval(secs => :lock_timeout), :environment, :sharer,
-    :finished
+    :finished, :joined_at
 )
 
 -- name: rejoin

@@ -33,7 +33,11 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "reference" / "cli.md"
 UNREACHABLE = "postgresql://postgres:s3cret@127.0.0.1:1/test"
 OWNER_KEYS = {field.name for field in dataclasses.fields(Owner)}
-LEASE_KEYS = {field.name for field in dataclasses.fields(Lease)} - {"deadline", "sharer"}
+LEASE_KEYS = {field.name for field in dataclasses.fields(Lease)} - {
+    "deadline",
+    "sharer",
+    "joined_at",
+}
 TOKEN = str(uuid.UUID(int=1))
 IDENTITY = {
     "name": "job",

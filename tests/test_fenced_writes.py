@@ -1527,6 +1527,11 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
             " SELECT CASE WHEN true THEN 1 END AS case; END; COMMIT",
             "COMMIT",
         ),
+        (
+            "CREATE FUNCTION pg_temp.g() RETURNS int LANGUAGE sql BEGIN ATOMIC"
+            " SELECT tt . case FROM (SELECT 1 AS case) AS tt; END; COMMIT; END;",
+            "COMMIT",
+        ),
         # A body with no END where a statement could end: its statements cannot be told apart.
         (
             "CREATE FUNCTION pg_temp.f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; COMMIT",
@@ -1543,6 +1548,7 @@ def test_transaction_control_sent_as_sql_inside_the_block_is_refused_before_it_r
         "after a dollar quote with a non-ASCII tag",
         "after a function with begin for names",
         "after a function body with case for a name",
+        "after a function body with case for a qualified name",
         "in a function body with no end",
     ],
 )
@@ -1610,6 +1616,9 @@ def test_backslashes_are_read_as_the_sessions_strings_take_them(
         "CREATE FUNCTION set_end() RETURNS int LANGUAGE sql BEGIN ATOMIC"
         " UPDATE protected SET value = CASE WHEN id = 1 THEN 'end' ELSE value END; SELECT 1; END;"
         " SELECT set_end()",
+        "CREATE FUNCTION pg_temp.g() RETURNS int LANGUAGE sql BEGIN ATOMIC"
+        " SELECT tt . end FROM (SELECT 1 AS end) AS tt; END;"
+        " UPDATE protected SET value = 'end' WHERE id = 1",
     ],
     ids=[
         "comment then END in a CASE",
@@ -1621,6 +1630,7 @@ def test_backslashes_are_read_as_the_sessions_strings_take_them(
         "semicolons in comments",
         "semicolons in a continued E string",
         "a function body of SQL statements",
+        "a function body with end for a qualified name",
     ],
 )
 def test_statements_that_only_mention_transaction_words_are_not_refused(

@@ -223,7 +223,7 @@ def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_ti
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
     params = {"name": NAME, "epoch": lease.epoch, "token": lease.token, "holder": "a"}
     params |= {"enforced": True, "now": None, "lock_timeout": 0.5, "environment": "prod"}
-    params |= {"sharer": None, "finished": True}
+    params |= {"sharer": None, "finished": True, "joined_at": None}
     with store.engine.begin() as conn:
         conn.exec_driver_sql("SET LOCAL lock_timeout = '7s'")
         released = conn.execute(sa.text(_sql.queries()["release"]), params).one()
@@ -465,7 +465,8 @@ def test_a_delivery_that_leaves_unfinished_keeps_its_share_for_its_redelivery(
 ) -> None:
     """The last sharer, whose message was put back, leaves the lease unfinished: the lease is
     not released, so that no other run takes it before the redelivery joins in its place. Not
-    redelivered, the lease runs out at its expiry. A share left twice is left once."""
+    redelivered, the lease runs out at its expiry. A share left twice is left once, and the
+    first delivery's lease released again leaves nothing of the redelivery's join."""
     parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
     header = resume_header(parent)
     child = held(delivered(fake_store, header, "child[1]", "host-a"))
@@ -476,8 +477,12 @@ def test_a_delivery_that_leaves_unfinished_keeps_its_share_for_its_redelivery(
     assert owner is not None
     assert (owner.epoch, owner.state) == (parent.epoch, "held")
     assert fake_store.acquire(NAME, holder="another", ttl=10).outcome == "held"
+    frozen.tick(1)
     again = held(delivered(fake_store, header, "child[1]", "host-b"))
     assert (again.epoch, again.sharer) == (parent.epoch, "child[1]@")
+    assert again.joined_at is not None
+    assert again.joined_at != child.joined_at
+    assert fake_store.release(child) == "left"  # the join is the redelivery's now: untouched
     assert fake_store.release(again) == "released"  # the one share, handed on
     assert [entry.end_reason for entry in fake_store.history(NAME)] == ["released"]
     # Not redelivered: the share kept for it runs out with the lease.
@@ -971,7 +976,7 @@ def test_every_protocol_path_runs_its_sql_helpers_inlined(engine: Engine) -> Non
         assert won.outcome == "acquired"
         assert call("acquire", **acquire, holder="b").outcome == "held"
         own = {"epoch": won.epoch, "token": won.token, "holder": "a", "enforced": True}
-        own |= {"sharer": None, "finished": True}
+        own |= {"sharer": None, "finished": True, "joined_at": None}
         forged = {**own, "token": uuid.uuid4()}
         assert call("renew", **own, ttl=60).outcome == "renewed"
         assert call("renew", **forged, ttl=60).outcome == "lost"

@@ -300,7 +300,7 @@ RELEASE_OF_SCHEMA_6 = """
     p_name text, p_epoch bigint, p_token uuid, p_holder text DEFAULT '',
     p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL"""
 CALL_RELEASE = "SELECT outcome, reason FROM celery_fence.release('x', 1, gen_random_uuid())"
-RELEASE_ENDS = "p_environment text, p_sharer text, p_finished boolean"
+RELEASE_ENDS = "p_sharer text, p_finished boolean, p_joined_at timestamp with time zone"
 REJOIN_OF_SCHEMA_5 = """
     p_name text, p_epoch bigint, p_holder text, p_mode text, p_proof bytea, p_ttl interval,
     p_action text DEFAULT 'rejoin', p_enforced boolean DEFAULT true, p_now timestamptz DEFAULT NULL,

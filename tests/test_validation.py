@@ -221,6 +221,8 @@ BAD_CALLS: dict[str, Callable[[LeaseStore], object]] = {
             "token": {"a string": "nope", "None": None},
             "name": {"with a NUL": "a\x00b", "empty": "", "not a string": 5},
             "holder": {"with a NUL": "h\x00", "not a string": None},
+            "sharer": {"with a NUL": "d\x00@", "empty": "", "overlong": "d" * 201},
+            "joined_at": {"naive": datetime(2030, 1, 1), "a string": "2030-01-01"},
         }.items()
         for case, value in cases.items()
     },

@@ -220,6 +220,37 @@ def test_a_continuation_that_cannot_go_on_after_joining_leaves_the_lease(
     assert (owner.epoch, owner.state) == (1, "released")
 
 
+def test_a_continuation_stopped_before_its_body_keeps_its_share_for_its_redelivery(
+    app: Celery, fence: Fence, store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool process stopped (SystemExit) as a joined continuation starts its renewals, its
+    message acknowledged late: the body never ran, so the share is kept for the message's
+    redelivery, which joins in its place, instead of being dropped as work done."""
+    ran: list[int | None] = []
+
+    @fence.task(lease=NAME, ttl=60, acks_late=True)
+    def child() -> None:
+        ran.append(fence.current().epoch)
+
+    parent = store.acquire(NAME, holder=HOLDER, ttl=60).lease
+    assert parent is not None
+    header = {**FenceHeader.for_lease(parent, "resume").to_message(), "publication": "d" * 32}
+    task_id = str(uuid.uuid4())
+    request = {"id": task_id, "hostname": "w@test", "headers": {HEADER: header}}
+    started = LeaseKeeper.start
+
+    def stopped(self: LeaseKeeper) -> LeaseKeeper:
+        raise SystemExit(1)
+
+    monkeypatch.setattr("celery_fence.contrib.celery.fence.LeaseKeeper.start", stopped)
+    with pytest.raises(SystemExit):
+        build_tracer(child.name, child, app=app)(task_id, (), {}, request=request)
+    monkeypatch.setattr("celery_fence.contrib.celery.fence.LeaseKeeper.start", started)
+    build_tracer(child.name, child, app=app)(task_id, (), {}, request=request)
+    assert ran == [parent.epoch]
+    assert store.release(parent) == "released"  # the redelivery's share was the one kept
+
+
 def test_an_impossible_renew_interval_fails_the_run_before_it_takes_the_lease(
     fence: Fence, store: LeaseStore
 ) -> None:
