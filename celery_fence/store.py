@@ -407,7 +407,6 @@ class _Block:
         self.ran = False
         self.savepoints: list[str] = []
         self.sessions_own: set[str] = set()
-        self.session = isinstance(guarded, Session)
         self.nested: list[Any] = []
         if isinstance(guarded, Session):
             transaction = guarded.get_nested_transaction()
@@ -428,14 +427,15 @@ _TRANSACTION_CONTROL = frozenset(
 )
 _WORD = re.compile(r"[A-Za-z]+")
 _LINE_END = re.compile(r"[\r\n]")
-# PostgreSQL's identifier characters: ASCII letters, digits, _ and $, and every character from
-# U+0080 on (a dollar quote's tag takes no $).
-_IDENTIFIER = r"[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_$\x80-\U0010ffff]*"
+# PostgreSQL's identifier characters: an ASCII letter, _ or any character from U+0080 on
+# first, then digits too, and $ (which a dollar quote's tag takes none of).
+_NAME_START = r"A-Za-z_\x80-\U0010ffff"
+_NAME_PART = r"A-Za-z0-9_\x80-\U0010ffff"
 # What the statements of a string are told apart by: words (identifiers and keywords), dollar
 # quotes, semicolons, quotes and comments.
 _TOKEN = re.compile(
-    rf"(?P<word>{_IDENTIFIER})"
-    r"|(?P<dollar>\$(?:[A-Za-z_\x80-\U0010ffff][A-Za-z0-9_\x80-\U0010ffff]*)?\$)"
+    rf"(?P<word>[{_NAME_START}][{_NAME_PART}$]*)"
+    rf"|(?P<dollar>\$(?:[{_NAME_START}][{_NAME_PART}]*)?\$)"
     r"""|(?P<mark>[;'"().]|--|/\*)"""
 )
 _COMMENT_MARK = re.compile(r"/\*|\*/")

@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from celery import Celery, signals
 
+from celery_fence import Lease
 from celery_fence.contrib.celery import HEADER, Fence
 
 TICK = "e2e.tick"
@@ -136,9 +137,7 @@ def _release(
     """A simulated release: validate, migrate, then publish the manifest as the current one."""
     if not build.startswith("build-"):
         raise ValueError(f"release {release_id}: {build!r} is not a build")
-    _record_start(self, release_id)
-    lease = fence.current().lease
-    assert lease is not None
+    lease = _record_start(self, release_id)
     time.sleep(migrate)
     with fence.guard("publish manifest") as conn:
         conn.execute(
@@ -175,8 +174,9 @@ release_acked_late = fence.task(
 )(_release)
 
 
-def _record_start(self: Any, release_id: str) -> None:
-    """Note that this run of a release (or of its step) started, at which epoch, where."""
+def _record_start(self: Any, release_id: str) -> Lease:
+    """Note that this run of a release (or of its step) started, at which epoch, where; the
+    run's lease."""
     lease = fence.current().lease
     assert lease is not None
     with fence.store.engine.begin() as conn:
@@ -193,6 +193,7 @@ def _record_start(self: Any, release_id: str) -> None:
                 "pid": os.getpid(),
             },
         )
+    return lease
 
 
 def _step_started(task_id: str) -> bool:
@@ -223,14 +224,12 @@ def migrate_step(self: Any, environment: str, release_id: str) -> bool:
     """The release's migration, acknowledged once it ran: it goes on until its message was
     delivered again (the redelivery, waiting for this run, leaves the task's state RETRY), at
     most 20 s, then writes its row under the lease. Returns whether it saw the redelivery."""
-    _record_start(self, release_id)
+    lease = _record_start(self, release_id)
     deadline = time.monotonic() + 20
     while not (redelivered := self.AsyncResult(self.request.id).state == "RETRY"):
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    lease = fence.current().lease
-    assert lease is not None
     with fence.guard("migrate") as conn:
         conn.execute(
             sa.text("INSERT INTO steps (task_id, epoch, worker_pid) VALUES (:id, :epoch, :pid)"),

@@ -745,8 +745,7 @@ class Fence:
         except BaseException as exc:
             # Stopped before the body (a pool process's SystemExit) with a message that may come
             # back: its redelivery joins in this one's place. Any other failure ends the run.
-            stopped = not isinstance(exc, Exception) and task.may_come_back()
-            self._release(got.lease, enforced=enforced, finished=not stopped)
+            self._release(got.lease, enforced=enforced, finished=not task.stopped_by(exc))
             raise
         return FencedRun(
             store=self.store,
@@ -777,13 +776,12 @@ class FencedTask(Task):  # type: ignore[misc]
         try:
             return super().__call__(*args, **kwargs)
         except Reject as exc:
-            if exc.requeue and self.may_come_back():
+            if exc.requeue and self._may_come_back():
                 keep = "the message is requeued"
             raise
         except BaseException as exc:
-            if not isinstance(exc, Exception) and self.may_come_back():
-                # Stopped in the middle (a prefork child's SIGTERM handler raises SystemExit in
-                # the body): the work may be unfinished, and the message may come back.
+            if self.stopped_by(exc):
+                # The work may be unfinished, and the message may come back.
                 keep = f"the run was interrupted ({type(exc).__name__})"
             raise
         finally:
@@ -806,7 +804,13 @@ class FencedTask(Task):  # type: ignore[misc]
                 if caller is not None and not caller.called_directly:
                     setattr(caller, HEADER, header.to_message())
 
-    def may_come_back(self) -> bool:
+    def stopped_by(self, exc: BaseException) -> bool:
+        """Whether ``exc`` stopped this run in the middle (a prefork child's SIGTERM handler
+        raises SystemExit in the body: not an ``Exception``) with a message that may come
+        back."""
+        return not isinstance(exc, Exception) and self._may_come_back()
+
+    def _may_come_back(self) -> bool:
         """Whether this run's message can be delivered again: one acknowledged late, not one
         acknowledged when it arrived, nor a call with no message (direct, or eager)."""
         request = self.request
