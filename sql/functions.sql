@@ -441,17 +441,18 @@ BEGIN
         -- its share is kept for the redelivery, which joins in its place (or takes the lease
         -- over once it expired unrenewed). A delivery that left already, or whose join a
         -- redelivery took since (p_joined_at, when it joined, tells), leaves nothing more.
+        -- A lease no longer held is a stale release (below) for a sharer as for its holder.
         SELECT * INTO v_row FROM celery_fence.leases l
         WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
           AND l.released_at IS NULL AND l.expires_at > v_now;
         SELECT * INTO v_join FROM celery_fence.joins j
-        WHERE v_row.name IS NOT NULL
-          AND j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
+        WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
         FOR UPDATE;
-        IF v_join.left_at IS NOT NULL
-            OR v_join.joined_at IS DISTINCT FROM coalesce(p_joined_at, v_join.joined_at) THEN
+        IF v_join.left_at IS NOT NULL AND v_join.joined_at = coalesce(p_joined_at, v_join.joined_at)
+            OR v_row.name IS NOT NULL
+            AND v_join.joined_at IS DISTINCT FROM coalesce(p_joined_at, v_join.joined_at) THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
-        ELSIF v_join.name IS NOT NULL THEN
+        ELSIF v_join.name IS NOT NULL AND v_row.name IS NOT NULL THEN
             UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished
             WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
             IF NOT p_finished THEN

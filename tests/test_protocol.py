@@ -495,6 +495,33 @@ def test_a_delivery_that_leaves_unfinished_keeps_its_share_for_its_redelivery(
     assert fake_store.stale_runs() == []
 
 
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_delivery_that_leaves_a_lease_no_longer_held_is_a_stale_release(
+    fake_store: LeaseStore, frozen: FrozenDateTimeFactory, finished: bool
+) -> None:
+    """A continuation's delivery that leaves its share after the lease expired, or after a
+    newer epoch took it, is refused and recorded as its holder's release would be; one that
+    left while the lease was held leaves again harmlessly."""
+    parent = held(fake_store.acquire(NAME, holder="parent", ttl=10, environment="prod"))
+    header = resume_header(parent)
+    early = held(delivered(fake_store, header, "child[1]", "host-a"))
+    late = held(delivered(fake_store, header, "child[2]", "host-a"))
+    assert fake_store.release(early, finished=finished) == "left"
+    frozen.tick(11)
+    with pytest.raises(LeaseLostError) as expired:
+        fake_store.release(late, finished=finished)
+    assert expired.value.reason == "expired"
+    assert fake_store.release(early, finished=finished) == "left"  # left already: nothing more
+    held(fake_store.acquire(NAME, holder="another", ttl=10, environment="prod"))
+    with pytest.raises(LeaseLostError) as superseded:
+        fake_store.release(late, finished=finished)
+    assert superseded.value.reason == "superseded"
+    assert [(run.stale_holder, run.reason, run.environment) for run in fake_store.stale_runs()] == [
+        ("parent", "superseded", "prod"),
+        ("parent", "expired", "prod"),
+    ]
+
+
 def test_a_resume_from_a_previous_version_joins_as_before_without_recording_its_join(
     store: LeaseStore, engine: Engine
 ) -> None:
