@@ -413,6 +413,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
     v_join celery_fence.joins;
+    v_held boolean;
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
@@ -439,20 +440,25 @@ BEGIN
         -- A continuation's delivery that joined the epoch (see rejoin) leaves it: finished, a
         -- redelivery of its message is dropped from now on; unfinished (its message put back),
         -- its share is kept for the redelivery, which joins in its place (or takes the lease
-        -- over once it expired unrenewed). A delivery that left already, or whose join a
-        -- redelivery took since (p_joined_at, when it joined, tells), leaves nothing more.
-        -- A lease no longer held is a stale release (below) for a sharer as for its holder.
+        -- over once it expired unrenewed). A delivery that left already, or, while the lease is
+        -- held, whose join a redelivery took since (p_joined_at, when it joined, tells), leaves
+        -- nothing more. Leaving a lease no longer held is a stale release (below), as its
+        -- publisher's would be; a join that is gone (pruned) is left as a sharer without one.
+        IF p_finished IS NULL THEN
+            RAISE EXCEPTION 'celery_fence: finished must be true or false'
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
         SELECT * INTO v_row FROM celery_fence.leases l
-        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token
-          AND l.released_at IS NULL AND l.expires_at > v_now;
+        WHERE l.name = p_name AND l.epoch = p_epoch AND l.token = p_token;
         SELECT * INTO v_join FROM celery_fence.joins j
-        WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
+        WHERE v_row.name IS NOT NULL
+          AND j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer
         FOR UPDATE;
+        v_held := v_row.released_at IS NULL AND v_row.expires_at > v_now;
         IF v_join.left_at IS NOT NULL AND v_join.joined_at = coalesce(p_joined_at, v_join.joined_at)
-            OR v_row.name IS NOT NULL
-            AND v_join.joined_at IS DISTINCT FROM coalesce(p_joined_at, v_join.joined_at) THEN
+            OR v_held AND v_join.joined_at <> coalesce(p_joined_at, v_join.joined_at) THEN
             RETURN celery_fence.answer_of('left', NULL, v_row, false, v_now);
-        ELSIF v_join.name IS NOT NULL AND v_row.name IS NOT NULL THEN
+        ELSIF v_held AND v_join.name IS NOT NULL THEN
             UPDATE celery_fence.joins AS j SET left_at = v_now, finished = p_finished
             WHERE j.name = p_name AND j.epoch = p_epoch AND j.delivery = p_sharer;
             IF NOT p_finished THEN
@@ -698,7 +704,8 @@ BEGIN
         RETURN celery_fence.answer_of('lost', v_reason, v_row, false, v_now);
     END IF;
     IF p_mode = 'join' THEN
-        RETURN celery_fence.answer_of('joined', NULL, v_row, true, v_now);
+        -- A check: the caller shares nothing, and a join header is no credential for the token.
+        RETURN celery_fence.answer_of('joined', NULL, v_row, false, v_now);
     END IF;
     IF v_own AND (v_row.paused OR v_row.expires_at > v_now) THEN
         -- That delivery still holds the lease, or it is paused: the caller is refused as an

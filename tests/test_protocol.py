@@ -25,6 +25,7 @@ from datetime import datetime, timedelta, timezone
 from multiprocessing.queues import Queue
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from freezegun import freeze_time
@@ -541,6 +542,71 @@ def test_a_resume_from_a_previous_version_joins_as_before_without_recording_its_
     owner = store.owner(NAME)
     assert owner is not None
     assert (owner.epoch, owner.state) == (parent.epoch, "held")
+
+
+def test_a_delivery_whose_join_was_pruned_leaves_as_a_sharer_without_one(
+    store: LeaseStore, engine: Engine
+) -> None:
+    """A join deleted while the lease is held (pruned by age, see the runbook) leaves its
+    delivery an ordinary sharer: its release counts it out, and the last one releases the
+    lease instead of keeping it until it expires."""
+    parent = held(store.acquire(NAME, holder="parent", ttl=30, environment="prod"))
+    child = held(delivered(store, resume_header(parent), "child[1]", "host-a"))
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM celery_fence.joins")
+    assert store.release(parent) == "left"
+    assert store.release(child) == "released"
+    assert store.stale_runs() == []
+
+
+def test_a_check_that_an_epoch_holds_answers_without_its_token(
+    store: LeaseStore, engine: Engine
+) -> None:
+    """Every task a fenced beat dispatches carries a join proof; a check with it (mode
+    ``join``) tells the epoch's owner, never the token, which would let any reader of the
+    broker renew, release or write as the beat."""
+    lease = held(store.acquire(NAME, holder="beat@a", ttl=30, environment="prod"))
+    with engine.connect() as conn:
+        answer = conn.execute(
+            sa.text(
+                "SELECT outcome, holder, epoch, token FROM celery_fence.rejoin("
+                ":name, :epoch, :holder, 'join', :proof, interval '30 s')"
+            ),
+            {
+                "name": NAME,
+                "epoch": lease.epoch,
+                "holder": lease.holder,
+                "proof": bytes.fromhex(proof(lease, "join")),
+            },
+        ).one()
+    assert tuple(answer) == ("joined", "beat@a", lease.epoch, None)
+
+
+def test_a_release_that_leaves_unsure_whether_it_finished_is_refused(
+    store: LeaseStore, engine: Engine
+) -> None:
+    """``p_finished`` null is an argument error, before anything is changed."""
+    parent = held(store.acquire(NAME, holder="parent", ttl=30, environment="prod"))
+    child = held(delivered(store, resume_header(parent), "child[1]", "host-a"))
+    with pytest.raises(sa.exc.DBAPIError) as refused, engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "SELECT celery_fence.release(:name, :epoch, :token, :holder,"
+                " p_sharer => :sharer, p_finished => NULL, p_joined_at => :joined_at)"
+            ),
+            {
+                "name": NAME,
+                "epoch": child.epoch,
+                "token": child.token,
+                "holder": child.holder,
+                "sharer": child.sharer,
+                "joined_at": child.joined_at,
+            },
+        )
+    assert isinstance(refused.value.orig, psycopg.errors.InvalidParameterValue)
+    assert "finished must be true or false" in str(refused.value.orig)
+    assert store.release(child) == "left"
+    assert store.release(parent) == "released"
 
 
 @pytest.fixture

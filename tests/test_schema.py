@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
 
 from celery_fence import FenceDatabaseError, Lease, LeaseStore, SchemaNotInstalledError, _sql
-from celery_fence.store import _wrap
+from celery_fence.store import _wrap, proof
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -354,6 +354,27 @@ SUPERSEDED_SIGNATURES = [
         id="release without the sharer",
     ),
     pytest.param(
+        "release",
+        f"{RELEASE_OF_SCHEMA_6}, p_lock_timeout interval DEFAULT interval '2 seconds',"
+        " p_environment text DEFAULT NULL, p_sharer text DEFAULT NULL",
+        17,
+        CALL_RELEASE,
+        STALE_CALL,
+        RELEASE_ENDS,
+        id="release with the sharer, as the first schema 16 wrote it",
+    ),
+    pytest.param(
+        "release",
+        f"{RELEASE_OF_SCHEMA_6}, p_lock_timeout interval DEFAULT interval '2 seconds',"
+        " p_environment text DEFAULT NULL, p_sharer text DEFAULT NULL,"
+        " p_finished boolean DEFAULT true",
+        17,
+        CALL_RELEASE,
+        STALE_CALL,
+        RELEASE_ENDS,
+        id="release without when the sharer joined, as a later schema 16 wrote it",
+    ),
+    pytest.param(
         "rejoin",
         REJOIN_OF_SCHEMA_5,
         6,
@@ -380,6 +401,16 @@ SUPERSEDED_SIGNATURES = [
         STALE_CALL,
         REJOIN_ENDS,
         id="rejoin without recording joins",
+    ),
+    pytest.param(
+        "rejoin",
+        f"{REJOIN_OF_SCHEMA_5}, p_environment text DEFAULT NULL, p_successor text DEFAULT NULL,"
+        " p_delivery_prefix text DEFAULT NULL",
+        17,
+        CALL_REJOIN,
+        STALE_CALL,
+        REJOIN_ENDS,
+        id="rejoin without recording joins, beside the first schema 16",
     ),
     pytest.param(
         "bound_lock_wait",
@@ -445,6 +476,46 @@ def test_upgrading_leaves_one_signature_of_a_function(
         (arguments,) = conn.execute(signatures, {"function": function}).scalars()
         assert tuple(conn.execute(sa.text(call)).one()) == answer
     assert arguments.endswith(arguments_end)
+
+
+def test_upgrading_adds_the_finished_column_where_the_first_schema_16_lacked_it(
+    empty_database_url: str,
+) -> None:
+    """The first installs of schema 16 created the joins table without ``finished``; a
+    continuation's join, which reads it, failed on such a database until the upgrade added it."""
+    with (
+        upgraded(
+            empty_database_url,
+            before=17,
+            earlier="ALTER TABLE celery_fence.joins DROP COLUMN finished",
+        ) as engine,
+        engine.connect() as conn,
+    ):
+        column = conn.exec_driver_sql(
+            "SELECT data_type, column_default, is_nullable FROM information_schema.columns"
+            " WHERE table_schema = 'celery_fence' AND table_name = 'joins'"
+            " AND column_name = 'finished'"
+        ).one()
+    assert tuple(column) == ("boolean", "false", "NO")
+    store = LeaseStore.from_url(empty_database_url)
+    try:
+        parent = store.acquire("release:prod", holder="a", ttl=30).lease
+        assert parent is not None
+        resume = {
+            "epoch": parent.epoch,
+            "holder": parent.holder,
+            "mode": "resume",
+            "proof": proof(parent, "resume"),
+            "ttl": 30,
+            "action": "start child",
+            "delivery_prefix": "child[1]@",
+        }
+        child = store.rejoin("release:prod", **resume).lease
+        assert child is not None
+        assert store.release(child) == "left"
+        assert store.rejoin("release:prod", **resume).outcome == "done"
+    finally:
+        store.dispose()
 
 
 def test_upgrading_adds_the_sharers_column_where_the_first_schema_lacked_it(
