@@ -368,6 +368,10 @@ def test_templates_are_filled_from_args_kwargs_and_defaults(
         ({"lease": "release:{0}"}, "must name the task's parameters"),
         ({"lease": "release:{}"}, "must name the task's parameters"),
         ({"lease": "release:{environment"}, "is malformed"),
+        ({"lease": "release:{environment!z}"}, "is malformed: unknown conversion !z"),
+        ({"lease": "release:{environment:{environment!q}}"}, "unknown conversion !q"),
+        ({"lease": "release:{environment.}"}, "is malformed: Empty attribute"),
+        ({"lease": "release:{environment[0]x}"}, "is malformed: Only '.' or '['"),
         ({"lease": "release:{environment:>{width}}"}, "names 'width', which is not a parameter"),
         ({"purpose": None}, "the purpose template must be a string, got None"),
         ({"lease": "release:{self}", "bind": True}, "names 'self', which is not a parameter"),
@@ -740,6 +744,48 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
         ]
         # The state the wait left: nothing of the dropped redelivery's own.
         assert result.state == states.RETRY
+    assert store.stale_runs() == []
+
+
+@pytest.mark.parametrize("earlier", ["lost", "finished"])
+def test_a_redelivered_continuation_of_a_task_with_a_minimum_hold_waits_for_its_earlier_delivery(
+    app: Celery,
+    fence: Fence,
+    worker: StartWorker,
+    store: LeaseStore,
+    wait: Wait,
+    expire_lease: Callable[[str], None],
+    earlier: str,
+) -> None:
+    """A task's ``min_hold`` keeps the lease of a run that took it as its owner, not of a
+    continuation's, which releases it when it ends: a redelivered retry whose earlier delivery
+    took its publisher's lease over waits for that delivery, as without ``min_hold``, instead of
+    being skipped, which would acknowledge the only message left of the retry's work."""
+    app.conf.update(fence_max_ttl=1, fence_default_ttl=1, fence_beat_ttl=1)
+    runs: list[int] = []
+
+    @fence.task(
+        lease="release:{environment}", on_busy="skip", min_hold=0.5, acks_late=True, bind=True
+    )
+    def publish(self: Any, environment: str) -> None:
+        runs.append(fence.current().epoch)
+
+    task_id = str(uuid.uuid4())
+    header, lease, _ = continued_from_a_publisher(
+        store, publish, task_id, uuid.uuid4().hex, "celery@lost-host"
+    )
+    metrics = fence.store.metrics
+    with worker():
+        result = publish.apply_async(("prod",), task_id=task_id, headers={HEADER: header})
+        wait.until(lambda: result.state == states.RETRY, what="the redelivery to wait")
+        if earlier == "lost":
+            expire_lease(NAME)
+            assert wait.finished(result) == states.SUCCESS
+        else:
+            store.release(lease)
+            wait.until(lambda: metrics.get("busy.duplicate") == 1, what="the redelivery dropped")
+    assert (metrics.get("busy.wait"), metrics.get("busy.skip")) == (1, 0)
+    assert runs == ([lease.epoch + 1] if earlier == "lost" else [])
     assert store.stale_runs() == []
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
 import socket
 import string
 import sys
@@ -608,7 +607,7 @@ class Fence:
             # A busy answer with no owner: a lock on the whole lease table (a VACUUM FULL, a
             # migration) kept the call and the owner's read waiting.
             unknown = got.outcome == "busy" and got.owner is None
-            task.refuse(name, got, done=done, holder_unknown=unknown)
+            task.refuse(name, got, done=done, holder_unknown=unknown, continuation=mode == "resume")
         self._would_refuse(task, name, got)
         return FencedRun(store=self.store, mode=mode, enforced=False)
 
@@ -903,14 +902,20 @@ class FencedTask(Task):  # type: ignore[misc]
         ``min_hold``, whose lease is kept on purpose after a finished run."""
         return owner is not None and not self.fence_min_hold and self.earlier_delivery(owner.holder)
 
-    def _held_by_an_earlier_delivery(self, got: Acquisition) -> bool:
+    def _held_by_an_earlier_delivery(self, got: Acquisition, *, continuation: bool) -> bool:
         """Whether the refused lease is held by an earlier delivery of this message, or by its
-        publisher and shared with an earlier delivery that joined it (``"shared"``)."""
+        publisher and shared with an earlier delivery that joined it (``"shared"``). A
+        continuation's earlier delivery that took its lease over releases it when its run ends,
+        also for a task with ``min_hold``."""
         owner = got.owner
         if owner is None or not owner.held:
             return False
-        return got.outcome == "shared" or (
-            got.outcome == "held" and self.owned_by_an_earlier_delivery(owner)
+        if got.outcome == "shared":
+            return True
+        return got.outcome == "held" and (
+            self.earlier_delivery(owner.holder)
+            if continuation
+            else self.owned_by_an_earlier_delivery(owner)
         )
 
     def lease_ttl(self, settings: FenceSettings) -> float:
@@ -981,13 +986,19 @@ class FencedTask(Task):  # type: ignore[misc]
             )
 
     def refuse(
-        self, name: str, got: Acquisition, *, done: bool = False, holder_unknown: bool = False
+        self,
+        name: str,
+        got: Acquisition,
+        *,
+        done: bool = False,
+        holder_unknown: bool = False,
+        continuation: bool = False,
     ) -> NoReturn:
-        """Apply the busy policy to a refused acquisition: skip, retry or raise. A redelivery
-        whose earlier delivery holds the lease waits for it whatever the policy, and is dropped
-        once that delivery ran to its end (``done``, as :meth:`finished_before` found). A run
-        that cannot tell whether anyone holds the lease (``holder_unknown``) is not skipped but
-        retried."""
+        """Apply the busy policy to a refused acquisition, or a continuation's refused resume
+        (``continuation``): skip, retry or raise. A redelivery whose earlier delivery holds the
+        lease waits for it whatever the policy, and is dropped once that delivery ran to its end
+        (``done``, as :meth:`finished_before` found). A run that cannot tell whether anyone holds
+        the lease (``holder_unknown``) is not skipped but retried."""
         owner = got.owner
         policy = self.fence_on_busy or self.fence.settings.on_busy
         until = owner.expires_at.isoformat() if owner else "unknown"
@@ -1036,7 +1047,7 @@ class FencedTask(Task):  # type: ignore[misc]
         # Called directly or eagerly (apply()), a retry would run again at once, not at the
         # owner's expiry: such a run fails instead.
         retries = not (self.request.called_directly or self.request.is_eager)
-        if retries and self._held_by_an_earlier_delivery(got):
+        if retries and self._held_by_an_earlier_delivery(got, continuation=continuation):
             # Skipping would acknowledge the only message left of work whose run may be gone:
             # wait for that run's lease to end, for as long as it holds it (never past its
             # maximum hold), without using up the busy retries.
@@ -1198,9 +1209,8 @@ def _check_templates(
             raise ConfigurationError(
                 f"the {what} template {template!r} is malformed: {exc}"
             ) from exc
-        for field in fields:
-            name = re.split(r"[.\[]", field, maxsplit=1)[0]
-            if not name or name.isdigit():
+        for name in fields:
+            if not isinstance(name, str) or not name:
                 raise ConfigurationError(
                     f"the {what} template {template!r} must name the task's parameters "
                     f"(`{{environment}}`), not their positions"
@@ -1212,13 +1222,39 @@ def _check_templates(
                 )
 
 
-def _template_fields(template: str) -> list[str]:
-    """The fields of a format string, those nested in its format specs included."""
-    fields = []
-    for _, field, spec, _ in string.Formatter().parse(template):
-        if field is not None:
-            fields.append(field)
-            fields.extend(_template_fields(spec or ""))
+class _Anything:
+    """Whatever a field's attributes and items turn out to be."""
+
+    def __getattr__(self, name: str) -> _Anything:
+        return self
+
+    def __getitem__(self, key: object) -> _Anything:
+        return self
+
+
+class _FieldNames(string.Formatter):
+    """Reads a field as ``str.format`` would, on arguments that have every attribute and item:
+    its name, or ``ValueError`` for a field no arguments could fill."""
+
+    def get_value(self, key: int | str, args: Any, kwargs: Any) -> _Anything:
+        return _Anything()
+
+
+_FIELD_NAMES = _FieldNames()
+
+
+def _template_fields(template: str) -> list[int | str]:
+    """The names the fields of a format string start with (an int for a position), those
+    nested in its format specs included. ``ValueError`` for what ``str.format`` would refuse
+    whatever the arguments: an unknown conversion, a malformed field name."""
+    fields: list[int | str] = []
+    for _, field, spec, conversion in string.Formatter().parse(template):
+        if field is None:
+            continue
+        if conversion not in (None, "r", "s", "a"):
+            raise ValueError(f"unknown conversion !{conversion}")
+        fields.append(_FIELD_NAMES.get_field(field, (), {})[1])
+        fields.extend(_template_fields(spec or ""))
     return fields
 
 
