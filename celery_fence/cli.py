@@ -396,21 +396,27 @@ def main(
 
 
 def _route_logs(ctx: click.Context, verbose: bool) -> None:
-    """The library's log lines repeat what the command prints: show them, and the warnings of
-    the libraries under it (psycopg's about a time zone it does not know, say), only with
-    ``-v``, so that an error stays one line."""
-    root = logging.getLogger()
-    logger = logging.getLogger("celery_fence")
-    handler = logging.StreamHandler(sys.stderr) if verbose else logging.NullHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    level = logger.level
-    root.addHandler(handler)
+    """The library's log lines repeat what the command prints, and psycopg's warnings (about a
+    time zone it does not know, say) are noise to a command's user: both are shown only with
+    ``-v``, so that an error stays one line. Other libraries' warnings are left to Python's
+    default handling."""
+    library = logging.getLogger("celery_fence")
+    level = library.level
     if verbose:
-        logger.setLevel(logging.INFO)
+        routed = [logging.getLogger()]
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        library.setLevel(logging.INFO)
+    else:
+        routed = [library, logging.getLogger("psycopg")]
+        handler = logging.NullHandler()
+    for logger in routed:
+        logger.addHandler(handler)
 
     def restore() -> None:
-        root.removeHandler(handler)
-        logger.setLevel(level)
+        for logger in routed:
+            logger.removeHandler(handler)
+        library.setLevel(level)
 
     ctx.call_on_close(restore)
 

@@ -2,8 +2,9 @@
 #
 #     source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 #
-# ensure_venv      creates .venv, installs the package with its [dev] extras when pyproject.toml
-#                  changed, and puts .venv/bin first on PATH.
+# ensure_venv      creates .venv (again when its python no longer runs), installs the package
+#                  with its [dev] extras when pyproject.toml changed, and puts .venv/bin first
+#                  on PATH.
 # ensure_services  finds or starts PostgreSQL, Redis and RabbitMQ (scripts/services.py) and
 #                  exports CELERY_FENCE_DATABASE_URL, CELERY_FENCE_BROKER_URL and
 #                  CELERY_FENCE_RABBITMQ_URL. PostgreSQL is always required; a missing broker
@@ -21,9 +22,14 @@ die() {
 }
 
 # The URL with any password replaced by ***, for printing.
-redact() { printf '%s\n' "$1" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#'; }
+redact() { printf '%s\n' "$1" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#; s#([?&]password=)[^&]*#\1***#g'; }
 
 ensure_venv() {
+    if [ -e "$VENV" ] && ! "$VENV/bin/python" -c '' 2>/dev/null; then
+        # A .venv whose interpreter is gone (Python upgraded or removed) is made again.
+        say "$VENV has no working python: recreating it"
+        rm -rf "$VENV"
+    fi
     if [ ! -x "$VENV/bin/python" ]; then
         command -v python3 >/dev/null || die "python3 not found: install Python 3.10 or newer"
         python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
@@ -62,8 +68,8 @@ find_broker() {
     esac
 }
 
-# PostgreSQL is always required: services.py checks CELERY_FENCE_DATABASE_URL itself and
-# falls back to a local or throwaway server when it does not answer.
+# PostgreSQL is always required: services.py uses CELERY_FENCE_DATABASE_URL when it is set
+# (and fails when it does not answer), else finds or starts a local or throwaway server.
 ensure_services() {
     local database_url
     database_url=$(python3 "$REPO_ROOT/scripts/services.py" postgres --require) ||

@@ -9,10 +9,11 @@ stderr that says what is missing and how to get it, and exits with status 3 ("wa
 with ``--require``, status 1 ("error:"), so a caller can tell an optional service from a
 required one.
 
-PostgreSQL: ``CELERY_FENCE_DATABASE_URL`` when it answers; else 127.0.0.1:PORT (user
-``postgres``, database ``test``, created if missing); else the machine's cluster on that port
-started with ``pg_ctlcluster``; else a throwaway cluster from the installed server binaries,
-on a free port in a temporary directory, reused by later calls until ``stop-throwaway``.
+PostgreSQL: ``CELERY_FENCE_DATABASE_URL`` when it is set (an error when it does not answer);
+else 127.0.0.1:PORT (user ``postgres``, database ``test``, created if missing); else the
+machine's cluster on that port started with ``pg_ctlcluster``; else a throwaway cluster from
+the installed server binaries, on a free port in a temporary directory, reused by later calls
+until ``stop-throwaway``.
 Redis: 127.0.0.1:PORT answering PING, else ``redis-server`` started as a daemon. RabbitMQ:
 127.0.0.1:PORT answering the AMQP 0-9-1 handshake, else ``rabbitmq-server -detached``.
 
@@ -30,6 +31,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -44,7 +46,10 @@ HOST = "127.0.0.1"
 DEFAULT_PORTS = {"postgres": 5432, "redis": 6379, "rabbitmq": 5672}
 PG_USER = "postgres"
 PG_DATABASE = "test"
-STATE_FILE = Path(tempfile.gettempdir()) / "celery-fence-services" / "postgres-throwaway.json"
+#: Where the throwaway cluster is recorded: a directory of the user's own, which no one else
+#: can write, so what it records (a directory to delete, programs to run) is the user's.
+STATE_DIR = Path(tempfile.gettempdir()) / f"celery-fence-services-{os.getuid()}"
+STATE_FILE = STATE_DIR / "postgres-throwaway.json"
 PROBE_TIMEOUT = 3.0
 
 
@@ -211,7 +216,8 @@ def pg_local(port: int) -> str | None:
 
 
 def pg_from_environment() -> str | None:
-    """CELERY_FENCE_DATABASE_URL when it is set and its server answers."""
+    """CELERY_FENCE_DATABASE_URL when it is set; an error when its server does not answer (a
+    server chosen on purpose is not replaced by another one)."""
     url = os.environ.get("CELERY_FENCE_DATABASE_URL")
     if not url:
         return None
@@ -223,8 +229,10 @@ def pg_from_environment() -> str | None:
     answer = pg_session(host, parts.port or 5432, user, database)
     if answer.status in ("ok", "password"):
         return url
-    note(f"CELERY_FENCE_DATABASE_URL does not answer ({answer.message}); looking elsewhere")
-    return None
+    raise Unavailable(
+        f"CELERY_FENCE_DATABASE_URL does not answer ({answer.message}): start that server, "
+        "or unset the variable to use (or start) one on this machine"
+    )
 
 
 def cluster_port(conf: Path) -> int:
@@ -305,9 +313,21 @@ def state_user(state: dict[str, object]) -> str | None:
     return None if state["user"] is None else str(state["user"])
 
 
+def state_file() -> Path:
+    """STATE_FILE, in a directory created private to this user; refused when the directory is
+    a link, someone else owns it or others can write to it."""
+    STATE_DIR.mkdir(mode=0o700, exist_ok=True)
+    info = STATE_DIR.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise Unavailable(
+            f"{STATE_DIR} is not a directory of this user's that only it can write: remove it"
+        )
+    return STATE_FILE
+
+
 def load_state() -> dict[str, object] | None:
     try:
-        return dict(json.loads(STATE_FILE.read_text()))
+        return dict(json.loads(state_file().read_text()))
     except (OSError, ValueError):
         return None
 
@@ -353,8 +373,7 @@ def pg_start_throwaway(port: int) -> str:
         "port": free_port(),
     }
     note(f"starting a throwaway PostgreSQL cluster in {base} (as {user or 'current user'})")
-    STATE_FILE.parent.mkdir(parents=True, exist_ok=True)
-    STATE_FILE.write_text(json.dumps(state))
+    state_file().write_text(json.dumps(state))
     try:
         initdb_flags = ["--auth=trust", "--no-sync", "--no-locale", "-E", "UTF8"]
         run(
@@ -501,7 +520,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.service == "stop-throwaway":
-        note(stop_throwaway())
+        try:
+            note(stop_throwaway())
+        except Unavailable as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         return 0
     try:
         url = SERVICES[args.service](args.port or DEFAULT_PORTS[args.service])

@@ -925,7 +925,7 @@ def _calls(attributes: set[str]) -> Iterator[ast.Call]:
 
 def test_the_observability_reference_lists_every_log_message_and_counter() -> None:
     text = _reference("observability.md")
-    levels = {"info", "warning", "error", "critical"}
+    levels = {"info", "warning", "error", "exception", "critical"}
     logged = {
         call.args[0].value
         for call in _calls(

@@ -661,19 +661,21 @@ class Halt(BaseException):
 
 
 @pytest.mark.usefixtures("renewals")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_renewals_go_on_after_a_renewal_ended_its_renewer_thread(
     store: LeaseStore, wait: Wait
 ) -> None:
-    halted = threading.Event()
-
     def halt(current: Lease) -> Lease:
-        halted.set()
         raise Halt
 
     renewals = keeper_module._renewals
-    doomed = LeaseKeeper(take(store, name="keeper:doomed"), halt, interval=0.05).start()
-    wait.until(lambda: halted.is_set() and renewals._renewers == 0, what="the renewer to end")
+    ended: list[type[BaseException]] = []
+    previous, threading.excepthook = threading.excepthook, lambda args: ended.append(args.exc_type)
+    try:
+        doomed = LeaseKeeper(take(store, name="keeper:doomed"), halt, interval=0.05).start()
+        wait.until(lambda: ended and renewals._renewers == 0, what="the renewer to end")
+    finally:
+        threading.excepthook = previous
+    assert ended == [Halt]
     doomed.stop()
     later_lease = take(store, name="keeper:later")
     with LeaseKeeper(later_lease, store.renew, interval=0.05) as later:
