@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 from celery_fence.models import Owner
@@ -68,18 +67,6 @@ class LeaseError(FenceError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled as earlier versions pickled it (the message, and the fields by keyword), so
-        # that a process of either version can load an error the other pickled.
-        rebuild = partial(
-            type(self),
-            lease_name=self.lease_name,
-            epoch=self.epoch,
-            owner=self.owner,
-            reason=self.reason,
-        )
-        return rebuild, self.args[:1]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.args[0]!r})"

@@ -11,7 +11,8 @@ stale_log = logging.getLogger("celery_fence.stale")
 
 
 class Metrics:
-    """Thread-safe event counters, e.g. ``acquired``, ``held``, ``rejected.superseded``."""
+    """Thread-safe event counters, e.g. ``acquire.acquired``, ``acquire.held``,
+    ``rejected.superseded``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

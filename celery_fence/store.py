@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, Literal, get_args
@@ -65,10 +66,7 @@ RECHECK_INTERVAL = 1.0
 _SCHEMA_MISSING = {"3F000", "42P01", "42883", "42704"}
 _SCHEMA_OBJECT = re.compile(r'(?<![\w"])"?celery_fence"?\.|schema "celery_fence"')
 _INVALID_ARGUMENT = {"22023"}
-_OWNER_FIELDS = (
-    "name", "environment", "holder", "purpose", "epoch", "state", "acquired_at", "renewed_at",
-    "expires_at", "hold_until", "released_at", "paused", "paused_reason", "paused_by", "paused_at",
-)  # fmt: skip
+_OWNER_FIELDS = tuple(field.name for field in dataclass_fields(Owner))
 
 
 #: What :meth:`LeaseStore.guard` fences: a SQLAlchemy ``Connection`` or ``Session`` (or a
@@ -1101,8 +1099,8 @@ class LeaseStore:
             wait=wait,
         )
         if wait:
-            return self._acquire_waiting(params, params["ttl"], time.monotonic() + wait)
-        return self._acquire_once(params, params["ttl"])[0]
+            return self._acquire_waiting(params, time.monotonic() + wait)
+        return self._acquire_once(params)
 
     def check_acquisition(
         self,
@@ -1135,17 +1133,14 @@ class LeaseStore:
         wait = validation.check_seconds_or_zero(wait, "wait", maximum=validation.MAX_HOLD_SECONDS)
         return params, wait
 
-    def _acquire_once(
-        self, params: Mapping[str, Any], ttl_seconds: float
-    ) -> tuple[Acquisition, float | None]:
-        """One acquisition: the answer, and how many seconds the lease it names has left by the
-        database clock (``None`` when it names none)."""
+    def _acquire_once(self, params: Mapping[str, Any]) -> Acquisition:
+        """One acquisition, with the parameters :meth:`check_acquisition` made."""
         name = params["name"]
         started = time.monotonic()
         try:
             row = self._call("acquire", params)
         except FenceDatabaseError as exc:
-            return self._busy(name, exc, "acquire", params["lock_timeout"]), None
+            return self._busy(name, exc, "acquire", params["lock_timeout"])
         outcome = row["outcome"]
         self.metrics.incr(f"acquire.{outcome}")
         owner = _owner(row)
@@ -1157,7 +1152,7 @@ class LeaseStore:
                 owner=owner,
                 reason="paused",
             )
-        lease = self._lease(row, started, ttl_seconds) if outcome == "acquired" else None
+        lease = self._lease(row, started, params["ttl"]) if outcome == "acquired" else None
         if lease is not None:
             log.info(
                 "lease %s acquired by %s at epoch %d",
@@ -1167,22 +1162,18 @@ class LeaseStore:
                 extra={"lease": name, "epoch": lease.epoch, "holder": lease.holder},
             )
         remaining = None if owner is None else float(row["remaining"])
-        return Acquisition(
-            outcome=outcome, lease=lease, owner=owner, expires_in=remaining
-        ), remaining
+        return Acquisition(outcome=outcome, lease=lease, owner=owner, expires_in=remaining)
 
-    def _acquire_waiting(
-        self, params: Mapping[str, Any], ttl_seconds: float, deadline: float
-    ) -> Acquisition:
+    def _acquire_waiting(self, params: Mapping[str, Any], deadline: float) -> Acquisition:
         """Acquire until ``deadline`` (``time.monotonic()``); a lock wait takes no more than
         what is left."""
 
-        def attempt() -> tuple[Acquisition, float | None]:
+        def attempt() -> Acquisition:
             left = max(deadline - time.monotonic(), 0.001)
             bounded = {**params, "lock_timeout": min(self.lock_timeout, left), "now": self._now()}
-            return self._acquire_once(bounded, ttl_seconds)
+            return self._acquire_once(bounded)
 
-        got, remaining = attempt()
+        got = attempt()
         if got.acquired or time.monotonic() >= deadline:
             return got
         while True:
@@ -1194,13 +1185,13 @@ class LeaseStore:
                     while True:
                         # Looked at again once listening, so that a release just before is not
                         # missed.
-                        got, remaining = attempt()
+                        got = attempt()
                         left = deadline - time.monotonic()
                         if got.acquired or left <= 0:
                             return got
                         pause = min(left, RECHECK_INTERVAL)
-                        if got.outcome == "held" and remaining is not None:
-                            pause = min(pause, max(remaining, 0.05))
+                        if got.outcome == "held" and got.expires_in is not None:
+                            pause = min(pause, max(got.expires_in, 0.05))
                         for notice in listener.notifies(timeout=pause):
                             if notice.payload == params["name"]:
                                 break

@@ -92,10 +92,8 @@ def check_choice(value: object, what: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_seconds(
-    value: object, what: str, *, maximum: float, minimum: float = 0.0, limit: str | None = None
-) -> float:
-    """Return ``value`` as float seconds if finite and within ``(minimum, maximum]``. ``limit``
+def check_seconds(value: object, what: str, *, maximum: float, limit: str | None = None) -> float:
+    """Return ``value`` as float seconds if finite and within ``(0, maximum]``. ``limit``
     names the setting ``maximum`` comes from, for the error to say where to raise it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}")
@@ -104,13 +102,12 @@ def check_seconds(
         seconds = float(value)
     except OverflowError:  # an int beyond any float (its repr may be too long to print)
         raise ConfigurationError(
-            f"{what} must be from {minimum:g} to {maximum:g} seconds{source}, got an integer "
-            "beyond any float"
+            f"{what} must be from 0 to {maximum:g} seconds{source}, got an integer beyond any float"
         ) from None
     if not math.isfinite(seconds):
         raise ConfigurationError(f"{what} must be finite, got {value!r}")
-    if seconds <= minimum:
-        raise ConfigurationError(f"{what} must be greater than {minimum:g} seconds, got {value!r}")
+    if seconds <= 0:
+        raise ConfigurationError(f"{what} must be greater than 0 seconds, got {value!r}")
     if seconds < RESOLUTION_SECONDS:
         # The database keeps microseconds: a shorter span would reach it as zero.
         raise ConfigurationError(f"{what} must be at least a microsecond, got {value!r}")

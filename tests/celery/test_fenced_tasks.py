@@ -279,7 +279,7 @@ def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"on_busy": "wait"}, "on_busy must be skip, retry or raise"),
+        ({"on_busy": "wait"}, "on_busy must be one of skip, retry, raise; got 'wait'"),
         # Zero is not "the default": it is refused, as the settings refuse it.
         ({"ttl": 0}, "ttl must be greater than 0 seconds, got 0"),
         ({"ttl": -1}, "ttl must be greater than 0 seconds, got -1"),

@@ -40,7 +40,7 @@ from celery_fence.observe import log
 from celery_fence.store import Executor, LeaseStore
 
 from .headers import HEADER, FenceHeader, MalformedHeaderError, publication_of, published
-from .settings import FenceSettings, check_timing
+from .settings import ON_BUSY, FenceSettings, check_timing
 
 #: Result states a fenced task ends in when it did not run its body.
 SKIPPED = "SKIPPED"
@@ -378,8 +378,8 @@ class Fence:
                 renew_interval, "renew_interval", validation.MAX_TTL_SECONDS
             ),
         }
-        if on_busy is not None and on_busy not in ("skip", "retry", "raise"):
-            raise ConfigurationError(f"on_busy must be skip, retry or raise; got {on_busy!r}")
+        if on_busy is not None:
+            validation.check_choice(on_busy, "on_busy", ON_BUSY)
         # A fenced task belongs to this Fence (its app's settings and store): Celery's default,
         # shared=True, would also register it in every app created later, running there under
         # this one's fence.

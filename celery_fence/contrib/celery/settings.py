@@ -16,7 +16,7 @@ OnBusy = Literal["skip", "retry", "raise"]
 ENFORCEMENT_MODES: tuple[Enforcement, ...] = ("enforce", "shadow", "off")
 ON_BUSY: tuple[OnBusy, ...] = ("skip", "retry", "raise")
 
-#: Every key, its default and what it means; docs/reference/configuration.md lists the same.
+#: Every key and its default; docs/reference/configuration.md lists the same and what each means.
 DEFAULTS: dict[str, Any] = {
     "fence_database_url": None,
     "fence_environment": "default",
