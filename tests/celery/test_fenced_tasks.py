@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery, Task, chain, chord, signals, states
 from celery.app.trace import build_tracer
-from celery.exceptions import ChordError, Reject
+from celery.exceptions import ChordError, Reject, SoftTimeLimitExceeded
 from sqlalchemy.engine import Engine
 
 from celery_fence import ConfigurationError, Lease, LeaseHeldError, LeasePausedError, LeaseStore
@@ -190,6 +190,44 @@ def test_a_run_that_cannot_go_on_after_its_acquisition_gives_the_lease_back(
     owner = store.owner(NAME)
     assert owner is not None
     assert (owner.epoch, owner.state) == (1, "released")
+
+
+@pytest.mark.parametrize("mode", ["owner", "resume"])
+def test_a_run_stopped_as_its_renewals_start_stops_them(
+    fence: Fence, store: LeaseStore, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A soft time limit can fire at any moment, also just after the keeper started and before
+    the body: the run's end still stops the keeper, and gives the lease (or its share) back."""
+    started = LeaseKeeper.start
+    keepers: list[LeaseKeeper] = []
+
+    def then_stopped(self: LeaseKeeper) -> LeaseKeeper:
+        keepers.append(started(self))
+        raise SoftTimeLimitExceeded()
+
+    @fence.task(lease=NAME, ttl=60)
+    def publish() -> None:
+        pass
+
+    parent = None
+    headers = None
+    if mode == "resume":
+        parent = store.acquire(NAME, holder=HOLDER, ttl=60).lease
+        assert parent is not None
+        headers = {HEADER: FenceHeader.for_lease(parent, "resume").to_message()}
+    monkeypatch.setattr("celery_fence.contrib.celery.fence.LeaseKeeper.start", then_stopped)
+    result = publish.apply(headers=headers)
+    assert (result.state, type(result.result)) == (states.FAILURE, SoftTimeLimitExceeded)
+    assert len(keepers) == 1
+    assert keepers[0].stopped
+    owner = store.owner(NAME)
+    assert owner is not None
+    if parent is None:
+        assert (owner.epoch, owner.state) == (1, "released")
+    else:
+        # The continuation left its share: its publisher's release is the last.
+        assert (owner.epoch, owner.state) == (1, "held")
+        assert store.release(parent) == "released"
 
 
 def test_a_continuation_that_cannot_go_on_after_joining_leaves_the_lease(

@@ -416,7 +416,8 @@ class Fence:
     # -- running ----------------------------------------------------------------------------
 
     def begin(self, task: FencedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FencedRun:
-        """Decide how ``task`` runs: under a new lease, its publisher's epoch, or unfenced."""
+        """Decide how ``task`` runs: under a new lease, its publisher's epoch, or unfenced. A run
+        that holds a lease renews it once :meth:`FencedTask.__call__` starts its keeper."""
         settings = self.settings
         arguments = task.arguments(args, kwargs)
         environment = validation.check_environment(
@@ -558,12 +559,11 @@ class Fence:
             # The earlier delivery this one waited for may have run to its end between the look
             # above and this acquisition: then the work is done.
             finished = task.finished_before(name, lease.epoch, since)
-            keeper = None if finished else LeaseKeeper(lease, renew, interval=interval).start()
         except BaseException:
             # A run that cannot go on does not keep the lease until it expires.
             self._release(lease, enforced=enforced)
             raise
-        if keeper is None:
+        if finished:
             self._release(lease, enforced=enforced)
             got = Acquisition(outcome="held", lease=None, owner=self.store.owner(name))
             return self._refused(task, name, got, enforced, "owner", done=True)
@@ -571,7 +571,7 @@ class Fence:
             store=self.store,
             mode="owner",
             enforced=enforced,
-            keeper=keeper,
+            keeper=LeaseKeeper(lease, renew, interval=interval),
             min_hold=task.fence_min_hold,
         )
 
@@ -739,18 +739,11 @@ class Fence:
         # A continuation that joined a held lease is one more sharer: releasing it only leaves;
         # the lease is released when its last sharer releases it.
         renew = partial(self.keeper_store.renew, enforce=enforced)
-        try:
-            keeper = LeaseKeeper(got.lease, renew, interval=interval).start()
-        except BaseException as exc:
-            # Stopped before the body (a pool process's SystemExit) with a message that may come
-            # back: its redelivery joins in this one's place. Any other failure ends the run.
-            self._release(got.lease, enforced=enforced, finished=not task.stopped_by(exc))
-            raise
         return FencedRun(
             store=self.store,
             mode="resume",
             enforced=enforced,
-            keeper=keeper,
+            keeper=LeaseKeeper(got.lease, renew, interval=interval),
         )
 
 
@@ -773,6 +766,10 @@ class FencedTask(Task):  # type: ignore[misc]
         token = _current.set(run)
         keep = None
         try:
+            # Renewals start here, where whatever stops the run (a soft time limit, a pool
+            # process's SystemExit) reaches the end below, which stops them.
+            if run.keeper is not None:
+                run.keeper.start()
             return super().__call__(*args, **kwargs)
         except Reject as exc:
             if exc.requeue and self._may_come_back():
