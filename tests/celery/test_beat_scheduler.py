@@ -394,16 +394,26 @@ def test_an_acquisition_of_its_own_whose_answer_was_lost_means_standby_until_it_
     assert (beat.lease.epoch, beat.halted) == (2, None)
 
 
+@pytest.mark.parametrize(
+    ("led_at", "ended"),
+    [
+        # Its renewal, due at the slot, is refused: the resume ends the epoch.
+        ("10:00:50", "expired"),
+        # Its claim of the slot is refused before a renewal is due: the instance gives the
+        # epoch back once the pause is over.
+        ("10:00:58", "released"),
+    ],
+)
 def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_resumed(
-    clocked_app: Celery, fake_store: LeaseStore
+    clocked_app: Celery, fake_store: LeaseStore, led_at: str, ended: str
 ) -> None:
-    """The pause refused the leader's dispatch of a slot, so it stepped down and let its lease
-    go. On resume the lease is free at once (nothing waits for the epoch the pause found to run
+    """The pause refused the leader's renewal or its dispatch of a slot, so it stepped down.
+    On resume the lease is free at once (nothing waits for the epoch the pause found to run
     out), and the slot the pause kept from going out is sent, at the next epoch."""
     clocked_app.conf.beat_schedule = {
         ENTRY: {"task": "example.plan_retention", "schedule": timedelta(minutes=1)}
     }
-    with freeze_time("2030-01-01T10:00:50+00:00", ignore=["_pytest.timing"]) as frozen:
+    with freeze_time(f"2030-01-01T{led_at}+00:00", ignore=["_pytest.timing"]) as frozen:
         beat = FencedScheduler(app=clocked_app, lazy=False)
         try:
             # Paused from the start: the beat stands by.
@@ -430,6 +440,8 @@ def test_a_leader_stepped_down_by_a_pause_leads_again_at_the_next_epoch_once_res
     [dispatch] = fake_store.dispatches(beat.lease_name)
     assert (dispatch.slot.strftime("%H:%M"), dispatch.epoch) == ("10:01", 2)
     assert len(queued(clocked_app)) == 1
+    [_, first] = fake_store.history(beat.lease_name)
+    assert (first.epoch, first.end_reason) == (1, ended)
 
 
 @pytest.fixture

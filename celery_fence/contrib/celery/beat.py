@@ -179,6 +179,8 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self._schedule_read = False  # a lazy instance (the banner's) reads it when asked
         self._renew_at = 0.0
         self._standby_reason: str | None = None
+        #: The lease this instance last stepped down from, token and all.
+        self._given_up: Lease | None = None
         # When the last tick brought the entries' counts up to date (sending or passing what
         # was due), by the wall clock: a host suspended, or the process stopped, stops both.
         self._counted_at: datetime | None = None
@@ -403,7 +405,20 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             return
         if got.lease is None:
             owner = got.owner
+            given_up, self._given_up = self._given_up, None
             if owner is not None and owner.holder == self.holder:
+                if given_up is not None and given_up.epoch == owner.epoch:
+                    # The epoch this instance stepped down from (its claim refused during a
+                    # pause since ended, say): given back, so that the lease need not run out.
+                    problem = self._give_back(given_up)
+                    if problem is None:
+                        self.lead()  # once: nothing is left to give back
+                        return
+                    self._standby(
+                        f"epoch {owner.epoch}, which this instance stepped down from, could not "
+                        f"be given back ({problem}); waiting for it to expire"
+                    )
+                    return
                 # An earlier acquisition of ours committed but its answer was lost: without its
                 # token this instance cannot use it, so it waits for it to expire.
                 self._standby(
@@ -546,6 +561,7 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         self.highest_epoch = max(self.highest_epoch, lease.epoch)
         self._renew_at = time.monotonic() + self.renew_interval
         self._standby_reason = None
+        self._given_up = None
 
     def _renew(self) -> None:
         lease = self.lease
@@ -570,8 +586,24 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             return
         self._take(renewed)
 
+    def _give_back(self, lease: Lease) -> str | None:
+        """Release ``lease``, an epoch this instance stepped down from that the database still
+        counts held; ``None`` when it did, else why not."""
+        try:
+            self.fence.store.release(lease)
+        except (LeaseLostError, FenceDatabaseError) as exc:
+            return str(exc)
+        log.info(
+            "beat gave back epoch %d of %s, which it had stepped down from",
+            lease.epoch,
+            self.lease_name,
+            extra={"lease": self.lease_name, "epoch": lease.epoch},
+        )
+        return None
+
     def _step_down(self, reason: str, lease: Lease | None) -> None:
         self.lease = None
+        self._given_up = lease
         self._standby(f"stepped down from epoch {lease.epoch if lease else '?'}: {reason}")
 
     def _standby(self, reason: str) -> None:
