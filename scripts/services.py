@@ -229,6 +229,12 @@ def pg_from_environment() -> str | None:
     answer = pg_session(host, parts.port or 5432, user, database)
     if answer.status in ("ok", "password"):
         return url
+    if answer.sqlstate == "3D000":  # invalid_catalog_name
+        raise Unavailable(
+            "CELERY_FENCE_DATABASE_URL names a database its server does not have "
+            f"({answer.message})"
+            f": create it (createdb -h {host} -U {user} {database}), or unset the variable"
+        )
     raise Unavailable(
         f"CELERY_FENCE_DATABASE_URL does not answer ({answer.message}): start that server, "
         "or unset the variable to use (or start) one on this machine"
