@@ -48,7 +48,8 @@ class LeaseKeeper:
     ``refresh`` is normally :meth:`LeaseStore.renew` on a store with a connection of its own, so
     a busy pool in the work cannot starve renewal. A definite "not yours"
     (:class:`LeaseLostError`) ends the lease at once; any other error is retried until the
-    lease's monotonic deadline passes, then the lease counts as lost. ``lost`` is an event the
+    lease's monotonic deadline passes, then the lease counts as lost; one that is not an
+    ``Exception`` ends the renewals, and the lease counts as lost at once. ``lost`` is an event the
     work can check; ``lease`` is always the latest renewed lease.
 
     The keepers of a process share background threads: one that keeps the queue of renewals
@@ -130,6 +131,17 @@ class LeaseKeeper:
                     extra={"lease": lease.name, "epoch": lease.epoch},
                 )
                 return wait
+            except BaseException as exc:  # ends the renewer thread: no renewal comes after it
+                self._lose(
+                    LeaseLostError(
+                        f"lease {lease.name} epoch {lease.epoch} is no longer renewed: its "
+                        f"renewal was ended by {exc!r}",
+                        lease_name=lease.name,
+                        epoch=lease.epoch,
+                        reason="expired",
+                    )
+                )
+                raise
             self._failure = None
             with self._lock:
                 self._lease = renewed

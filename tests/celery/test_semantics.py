@@ -661,7 +661,7 @@ class Halt(BaseException):
 
 
 @pytest.mark.usefixtures("renewals")
-def test_renewals_go_on_after_a_renewal_ended_its_renewer_thread(
+def test_a_renewal_that_ends_its_renewer_thread_loses_its_lease_and_others_go_on(
     store: LeaseStore, wait: Wait
 ) -> None:
     def halt(current: Lease) -> Lease:
@@ -676,6 +676,10 @@ def test_renewals_go_on_after_a_renewal_ended_its_renewer_thread(
     finally:
         threading.excepthook = previous
     assert ended == [Halt]
+    assert doomed.lost.is_set()
+    assert doomed.error is not None
+    assert "no longer renewed" in str(doomed.error)
+    assert not doomed.held
     doomed.stop()
     later_lease = take(store, name="keeper:later")
     with LeaseKeeper(later_lease, store.renew, interval=0.05) as later:
