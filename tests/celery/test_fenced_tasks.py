@@ -104,6 +104,16 @@ class AuditedTask(Task):  # type: ignore[misc]
     def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
         self.audited.append(task_id)
 
+    # Methods of plain names, which the fence's own (all named fence_...) leave alone.
+    def holder(self) -> str:
+        return "audit"
+
+    def arguments(self) -> list[str]:
+        return self.audited
+
+    def reject(self, reason: str) -> str:
+        return f"rejected: {reason}"
+
 
 def test_a_base_of_celery_is_combined_with_the_fence(
     fence: Fence, worker: StartWorker, store: LeaseStore, wait: Wait
@@ -120,8 +130,14 @@ def test_a_base_of_celery_is_combined_with_the_fence(
         assert wait.outcome(result) == ["owner", 1]
 
     assert publish.audited == [result.id]
+    assert (publish.holder(), publish.arguments(), publish.reject("late")) == (
+        "audit",
+        [result.id],
+        "rejected: late",
+    )
     [entry] = store.history(NAME)
     assert entry.end_reason == "released"
+    assert entry.holder.startswith(f"{publish.name}[{result.id}]@")
     with pytest.raises(ConfigurationError, match=r"base must be a subclass of celery\.Task"):
         fence.task(lease="release", base=object)
 
@@ -311,7 +327,7 @@ def test_min_hold_none_or_zero_means_none(fence: Fence) -> None:
     for none in (None, 0):
         task = fence.task(lease="release", min_hold=none, name=f"min_hold_{none}")(body)
         assert task.fence_min_hold == 0.0
-        assert task.acquisition_ttl(fence.settings) == fence.settings.default_ttl
+        assert task.fence_acquisition_ttl(fence.settings) == fence.settings.default_ttl
 
 
 @pytest.mark.parametrize(
@@ -671,8 +687,8 @@ def continued_from_a_publisher(
             proof=header["proof"],
             ttl=ttl,
             action=f"start {task.name}",
-            successor=task.holder(),
-            delivery_prefix=task.delivery_prefix(),
+            successor=task.fence_holder(),
+            delivery_prefix=task.fence_delivery_prefix(),
         )
     finally:
         task.pop_request()
@@ -709,7 +725,7 @@ def test_a_redelivery_that_finds_an_earlier_delivery_holding_waits_for_it_to_end
     @fence.task(lease="release:{environment}", on_busy=policy, acks_late=True, bind=True)
     def publish(self: Any, environment: str) -> str:
         runs.append(self.request.retries)
-        return self.holder()
+        return self.fence_holder()
 
     task_id = str(uuid.uuid4())
     headers: dict[str, Any] = {}
@@ -1027,7 +1043,7 @@ def test_a_redelivery_whose_earlier_delivery_ends_as_it_acquires_is_dropped(
     ) -> FencedRun | None:
         done = looked(self, task, name, enforced, *rest)
         owner = store.owner(NAME)
-        if task.waited_for() is not None and owner is not None and owner.state == "held":
+        if task.fence_waited_for() is not None and owner is not None and owner.state == "held":
             store.release(lease)  # the earlier delivery ends now, after the look
         return done
 
@@ -1138,7 +1154,7 @@ def test_a_task_id_too_long_for_a_holder_names_no_earlier_delivery(fence: Fence)
     def prefix(task_id: str) -> str | None:
         publish.push_request(id=task_id, called_directly=False)
         try:
-            return publish.delivery_prefix()
+            return publish.fence_delivery_prefix()
         finally:
             publish.pop_request()
 

@@ -312,7 +312,7 @@ class Fence:
         # Every fenced task of the app, also one declared on an earlier Fence of it.
         for task in self.app.tasks.values():
             if isinstance(task, FencedTask):
-                task.check_timing(settings, time_limit)
+                task.fence_check_timing(settings, time_limit)
         self.store.check_schema()
         log.info(
             "celery-fence ready: environment %s, enforcement %s",
@@ -419,7 +419,7 @@ class Fence:
         """Decide how ``task`` runs: under a new lease, its publisher's epoch, or unfenced. A run
         that holds a lease renews it once :meth:`FencedTask.__call__` starts its keeper."""
         settings = self.settings
-        arguments = task.arguments(args, kwargs)
+        arguments = task.fence_arguments(args, kwargs)
         environment = validation.check_environment(
             _fill(task.fence_environment, arguments, "environment")
             if task.fence_environment
@@ -527,10 +527,10 @@ class Fence:
         if task.request.called_directly or task.request.is_eager:
             # No worker checked this task's timings when it started (check_startup): the errors
             # name the option, not the TTL the store would refuse.
-            task.check_timing(settings)
-        ttl = task.lease_ttl(settings)
-        interval = task.renew_interval(settings, ttl)
-        if since is None and task.waited_for() is None and task.redelivered():
+            task.fence_check_timing(settings)
+        ttl = task.fence_lease_ttl(settings)
+        interval = task.fence_renewal_period(settings, ttl)
+        if since is None and task.fence_waited_for() is None and task.fence_redelivered():
             # The broker delivers the message again (acks_late after a lost worker or a lost
             # acknowledgement, a visibility timeout): an earlier delivery that took the lease's
             # latest epoch may have run to its end.
@@ -541,8 +541,8 @@ class Fence:
         try:
             got = self.store.acquire(
                 name,
-                holder=task.holder(),
-                ttl=task.acquisition_ttl(settings),
+                holder=task.fence_holder(),
+                ttl=task.fence_acquisition_ttl(settings),
                 environment=environment,
                 max_hold=task.fence_max_hold or settings.max_hold,
                 purpose=_fill(task.fence_purpose, arguments, "purpose"),
@@ -558,7 +558,7 @@ class Fence:
         try:
             # The earlier delivery this one waited for may have run to its end between the look
             # above and this acquisition: then the work is done.
-            finished = task.finished_before(name, lease.epoch, since)
+            finished = task.fence_finished_before(name, lease.epoch, since)
         except BaseException:
             # A run that cannot go on does not keep the lease until it expires.
             self._release(lease, enforced=enforced)
@@ -582,10 +582,10 @@ class Fence:
         end (or found it had taken the lease at epoch ``since``), when that one ran to its end
         and released the lease: it did the work, which must not run twice. ``None`` for any
         other delivery."""
-        if since is None and task.waited_for() is None:
+        if since is None and task.fence_waited_for() is None:
             return None
         owner = self.store.owner(name)
-        if owner is None or not task.finished_before(name, owner.epoch, since):
+        if owner is None or not task.fence_finished_before(name, owner.epoch, since):
             return None
         done = Acquisition(outcome="held", lease=None, owner=owner)
         return self._refused(task, name, done, enforced, mode, done=True)
@@ -607,7 +607,9 @@ class Fence:
             # A busy answer with no owner: a lock on the whole lease table (a VACUUM FULL, a
             # migration) kept the call and the owner's read waiting.
             unknown = got.outcome == "busy" and got.owner is None
-            task.refuse(name, got, done=done, holder_unknown=unknown, continuation=mode == "resume")
+            task.fence_refuse(
+                name, got, done=done, holder_unknown=unknown, continuation=mode == "resume"
+            )
         self._would_refuse(task, name, got)
         return FencedRun(store=self.store, mode=mode, enforced=False)
 
@@ -625,11 +627,13 @@ class Fence:
     def _earlier_delivery(self, task: FencedTask, name: str) -> int | None:
         """The epoch of the task's lease ``name`` an earlier delivery of this message took, when
         that is the lease's latest epoch (held, expired or released)."""
-        if task.delivery_prefix() is None:
+        if task.fence_delivery_prefix() is None:
             return None
         owner = self.store.owner(name)
         return (
-            owner.epoch if owner is not None and task.owned_by_an_earlier_delivery(owner) else None
+            owner.epoch
+            if owner is not None and task.fence_owned_by_an_earlier_delivery(owner)
+            else None
         )
 
     def _continue(
@@ -662,11 +666,11 @@ class Fence:
                 str(exc), lease_name=exc.lease_name or "(unreadable)", reason="malformed"
             )
             return (
-                task.reject(error)
+                task.fence_reject(error)
                 if enforced
                 else FencedRun(store=self.store, mode="resume", enforced=False)
             )
-        ttl = task.lease_ttl(self.settings)
+        ttl = task.fence_lease_ttl(self.settings)
         if header.mode == "resume":
             entry = header.entry_for(name)
             if entry is None:
@@ -675,7 +679,7 @@ class Fence:
             # chain link after a step on another lease).
             header = entry
             # Before the lease is taken up: a run that cannot renew it fails first.
-            interval = task.renew_interval(self.settings, ttl)
+            interval = task.fence_renewal_period(self.settings, ttl)
             done = self._done_before(task, header.lease, enforced, "resume")
             if done is not None:
                 return done
@@ -705,12 +709,12 @@ class Fence:
                 environment=environment,
                 # A take-over goes on in this run's name, so that a redelivery of this message
                 # finds it its own earlier delivery's and waits for it (see FencedTask.refuse).
-                successor=task.holder(),
-                delivery_prefix=task.delivery_prefix(),
+                successor=task.fence_holder(),
+                delivery_prefix=task.fence_delivery_prefix(),
             )
         except LeaseLostError as exc:
             if enforced:
-                task.reject(exc)
+                task.fence_reject(exc)
             if header.mode == "resume":
                 return FencedRun(store=self.store, mode="resume", enforced=False)
             # Shadow mode: a stale dispatch goes on as an accepted one would, on the task's lease.
@@ -723,7 +727,7 @@ class Fence:
                 if enforced:
                     # Retried soon (on_busy="retry"): it waited for a lock, not for the beat's
                     # lease to end.
-                    task.refuse(header.lease, replace(got, owner=None))
+                    task.fence_refuse(header.lease, replace(got, owner=None))
                 self._would_refuse(task, header.lease, got)
             # The dispatch was the current leader's: the run is the task's own from here on, on
             # its lease, so that a change of leader does not reach it and two runs of one entry
@@ -772,11 +776,11 @@ class FencedTask(Task):  # type: ignore[misc]
                 run.keeper.start()
             return super().__call__(*args, **kwargs)
         except Reject as exc:
-            if exc.requeue and self._may_come_back():
+            if exc.requeue and self._fence_may_come_back():
                 keep = "the message is requeued"
             raise
         except BaseException as exc:
-            if self.stopped_by(exc):
+            if self.fence_stopped_by(exc):
                 # The work may be unfinished, and the message may come back.
                 keep = f"the run was interrupted ({type(exc).__name__})"
             raise
@@ -800,13 +804,13 @@ class FencedTask(Task):  # type: ignore[misc]
                 if caller is not None and not caller.called_directly:
                     setattr(caller, HEADER, header.to_message())
 
-    def stopped_by(self, exc: BaseException) -> bool:
+    def fence_stopped_by(self, exc: BaseException) -> bool:
         """Whether ``exc`` stopped this run in the middle (a prefork child's SIGTERM handler
         raises SystemExit in the body: not an ``Exception``) with a message that may come
         back."""
-        return not isinstance(exc, Exception) and self._may_come_back()
+        return not isinstance(exc, Exception) and self._fence_may_come_back()
 
-    def _may_come_back(self) -> bool:
+    def _fence_may_come_back(self) -> bool:
         """Whether this run's message can be delivered again: one acknowledged late, not one
         acknowledged when it arrived, nor a call with no message (direct, or eager)."""
         request = self.request
@@ -827,64 +831,64 @@ class FencedTask(Task):  # type: ignore[misc]
         _add_header(headers)
         return super().apply(args, kwargs, *rest, headers=headers, **options)
 
-    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def fence_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The run's arguments by parameter name, defaults included (for the templates)."""
         try:
-            bound = self._signature.bind(*args, **kwargs)
+            bound = self._fence_signature.bind(*args, **kwargs)
         except TypeError as exc:
             raise ConfigurationError(f"{self.name}: {exc}") from exc
         bound.apply_defaults()
         return dict(bound.arguments)
 
     @cached_property
-    def _signature(self) -> inspect.Signature:
+    def _fence_signature(self) -> inspect.Signature:
         return inspect.signature(self.run)
 
-    def holder(self) -> str:
+    def fence_holder(self) -> str:
         request = self.request
         host = request.hostname or socket.gethostname()
-        return f"{self._run_name()}@{host}"[: validation.MAX_NAME_LENGTH]
+        return f"{self._fence_run_name()}@{host}"[: validation.MAX_NAME_LENGTH]
 
-    def _run_name(self) -> str:
+    def _fence_run_name(self) -> str:
         """The task and its id, and for a message published from a fenced run the publication
         id its header carries: retries share the task id, not the publication."""
         publication = publication_of((self.request.headers or {}).get(HEADER))
         suffix = "" if publication is None else f"#{publication}"
         return f"{self.name}[{self.request.id or 'direct'}]{suffix}"
 
-    def delivery_prefix(self) -> str | None:
+    def fence_delivery_prefix(self) -> str | None:
         """How the holder of every delivery of this very message begins (the same task id, on
         any host); ``None`` for a direct call, and for a task name and id too long for a holder
         to keep whole, which would name other messages' runs too."""
         if self.request.called_directly or self.request.id is None:
             return None
-        prefix = f"{self._run_name()}@"
+        prefix = f"{self._fence_run_name()}@"
         return prefix if len(prefix) <= validation.MAX_NAME_LENGTH else None
 
-    def earlier_delivery(self, holder: str) -> bool:
+    def fence_earlier_delivery(self, holder: str) -> bool:
         """Whether ``holder`` names a run of this very message, as a redelivery finds it: with
         ``acks_late``, after a worker was lost, or after the broker's visibility timeout while
         that run goes on."""
-        prefix = self.delivery_prefix()
+        prefix = self.fence_delivery_prefix()
         return prefix is not None and holder.startswith(prefix)
 
-    def finished_before(self, name: str, epoch: int, since: int | None = None) -> bool:
+    def fence_finished_before(self, name: str, epoch: int, since: int | None = None) -> bool:
         """Whether this delivery waited for an earlier delivery of its message (see
         :meth:`waited_for`; ``since``, the epoch that delivery took, when known otherwise) that
         ran to its end: an epoch of the lease from the one it waited for on (``epoch`` is the
         lease's now) ended released, held by a run of this message. A pause since, or other
         messages' epochs after it, do not hide it."""
-        waited = since if since is not None else self.waited_for()
-        prefix = self.delivery_prefix()
+        waited = since if since is not None else self.fence_waited_for()
+        prefix = self.fence_delivery_prefix()
         if waited is None or prefix is None or epoch < waited:
             return False
         return self.fence.store.released_by(name, since_epoch=waited, holder_prefix=prefix)
 
-    def redelivered(self) -> bool:
+    def fence_redelivered(self) -> bool:
         """Whether the broker flags this delivery as one of a message it delivered before."""
         return bool((self.request.delivery_info or {}).get("redelivered"))
 
-    def waited_for(self) -> int | None:
+    def fence_waited_for(self) -> int | None:
         """The epoch of the earlier delivery's lease this delivery was retried to wait for (the
         ``WAITING`` header), if any."""
         value = (self.request.headers or {}).get(WAITING)
@@ -893,13 +897,17 @@ class FencedTask(Task):  # type: ignore[misc]
             return epoch
         return None
 
-    def owned_by_an_earlier_delivery(self, owner: Owner | None) -> bool:
+    def fence_owned_by_an_earlier_delivery(self, owner: Owner | None) -> bool:
         """Whether the lease's latest epoch (``owner``) is an earlier delivery's of this
         message, whose run may be gone: the lease tells once it expires. Not for a task with
         ``min_hold``, whose lease is kept on purpose after a finished run."""
-        return owner is not None and not self.fence_min_hold and self.earlier_delivery(owner.holder)
+        return (
+            owner is not None
+            and not self.fence_min_hold
+            and self.fence_earlier_delivery(owner.holder)
+        )
 
-    def _held_by_an_earlier_delivery(self, got: Acquisition, *, continuation: bool) -> bool:
+    def _fence_held_by_an_earlier_delivery(self, got: Acquisition, *, continuation: bool) -> bool:
         """Whether the refused lease is held by an earlier delivery of this message, or by its
         publisher and shared with an earlier delivery that joined it (``"shared"``). A
         continuation's earlier delivery that took its lease over releases it when its run ends,
@@ -910,22 +918,22 @@ class FencedTask(Task):  # type: ignore[misc]
         if got.outcome == "shared":
             return True
         return got.outcome == "held" and (
-            self.earlier_delivery(owner.holder)
+            self.fence_earlier_delivery(owner.holder)
             if continuation
-            else self.owned_by_an_earlier_delivery(owner)
+            else self.fence_owned_by_an_earlier_delivery(owner)
         )
 
-    def lease_ttl(self, settings: FenceSettings) -> float:
+    def fence_lease_ttl(self, settings: FenceSettings) -> float:
         """The TTL of the task's lease, its own or the default: what renewals extend it by, for
         a run and for its retries and children."""
         return self.fence_ttl or settings.default_ttl
 
-    def acquisition_ttl(self, settings: FenceSettings) -> float:
+    def fence_acquisition_ttl(self, settings: FenceSettings) -> float:
         """What a run that takes the lease asks for: its TTL, or its ``min_hold`` if longer, so
         that the lease is kept that long from when it was taken."""
-        return max(self.lease_ttl(settings), self.fence_min_hold)
+        return max(self.fence_lease_ttl(settings), self.fence_min_hold)
 
-    def renew_interval(self, settings: FenceSettings, ttl: float) -> float:
+    def fence_renewal_period(self, settings: FenceSettings, ttl: float) -> float:
         """The task's renew interval, checked against ``ttl``; errors name where each came from:
         the task's option or the app's setting."""
         return check_timing(
@@ -940,20 +948,20 @@ class FencedTask(Task):  # type: ignore[misc]
             ),
         )
 
-    def check_timing(self, settings: FenceSettings, time_limit: float | None = None) -> None:
+    def fence_check_timing(self, settings: FenceSettings, time_limit: float | None = None) -> None:
         """Reject timings that cannot work: a TTL above the maximum or above the maximum hold,
         a renew interval that cannot keep the lease, a time limit longer than the maximum hold
         (without one, the bound the database puts on every lease). The task's time limit is
         its own, else ``time_limit`` (the worker's), else ``task_time_limit``."""
         ttl = validation.check_seconds(
-            self.lease_ttl(settings),
+            self.fence_lease_ttl(settings),
             f"{self.name} ttl",
             maximum=settings.max_ttl,
             limit="fence_max_ttl",
         )
-        self.renew_interval(settings, ttl)
+        self.fence_renewal_period(settings, ttl)
         taken_for = validation.check_seconds(
-            self.acquisition_ttl(settings),
+            self.fence_acquisition_ttl(settings),
             f"{self.name} min_hold",
             maximum=settings.max_ttl,
             limit="fence_max_ttl",
@@ -971,7 +979,7 @@ class FencedTask(Task):  # type: ignore[misc]
                 if self.fence_max_hold
                 else f"{self.name}: fence_max_hold",
                 ttl_what="its min_hold"
-                if self.fence_min_hold > self.lease_ttl(settings)
+                if self.fence_min_hold > self.fence_lease_ttl(settings)
                 else "the lease's ttl",
             )
         time_limit = self.time_limit or time_limit or self.app.conf.task_time_limit
@@ -982,7 +990,7 @@ class FencedTask(Task):  # type: ignore[misc]
                 f"{hold:g}s{bound}, so the lease would end before the task could"
             )
 
-    def refuse(
+    def fence_refuse(
         self,
         name: str,
         got: Acquisition,
@@ -1044,7 +1052,7 @@ class FencedTask(Task):  # type: ignore[misc]
         # Called directly or eagerly (apply()), a retry would run again at once, not at the
         # owner's expiry: such a run fails instead.
         retries = not (self.request.called_directly or self.request.is_eager)
-        if retries and self._held_by_an_earlier_delivery(got, continuation=continuation):
+        if retries and self._fence_held_by_an_earlier_delivery(got, continuation=continuation):
             # Skipping would acknowledge the only message left of work whose run may be gone:
             # wait for that run's lease to end, for as long as it holds it (never past its
             # maximum hold), without using up the busy retries.
@@ -1052,7 +1060,7 @@ class FencedTask(Task):  # type: ignore[misc]
             self.fence.store.metrics.incr("busy.wait")
             waiting = {"epoch": owner.epoch, "expires_at": owner.expires_at.isoformat()}
             whose = "shared with " if got.outcome == "shared" else ""
-            self._retry_busy(
+            self._fence_retry_busy(
                 f"{message} ({whose}an earlier delivery of this message)",
                 error,
                 got.expires_in,
@@ -1060,7 +1068,7 @@ class FencedTask(Task):  # type: ignore[misc]
             )
         if holder_unknown and policy == "skip" and retries:
             policy = "retry"  # a second later: there is no owner's expiry to wait for
-        busy_retries = self._busy_retries() + 1
+        busy_retries = self._fence_busy_retries() + 1
         if policy == "retry" and (
             not retries or busy_retries > self.fence.settings.busy_max_retries
         ):
@@ -1071,21 +1079,21 @@ class FencedTask(Task):  # type: ignore[misc]
             policy = "raise"
         self.fence.store.metrics.incr(f"busy.{policy}")
         if policy == "retry":
-            self._retry_busy(message, error, got.expires_in, {BUSY_RETRIES: busy_retries})
+            self._fence_retry_busy(message, error, got.expires_in, {BUSY_RETRIES: busy_retries})
         if policy == "raise":
             log.info(message, extra={"lease": name})
             raise error
         log.info("%s; skipped", message, extra={"lease": name})
-        self._stop(SKIPPED, error)
+        self._fence_stop(SKIPPED, error)
 
-    def _busy_retries(self) -> int:
+    def _fence_busy_retries(self) -> int:
         """The busy retries this message had so far (its ``BUSY_RETRIES`` header)."""
         value = (self.request.headers or {}).get(BUSY_RETRIES)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value
         return 0
 
-    def _retry_busy(
+    def _fence_retry_busy(
         self,
         message: str,
         error: LeaseError,
@@ -1117,14 +1125,14 @@ class FencedTask(Task):  # type: ignore[misc]
             raise Reject(exc, requeue=False) from exc
         raise Retry(message, exc=error, when=countdown, sig=signature)
 
-    def reject(self, error: LeaseLostError) -> NoReturn:
+    def fence_reject(self, error: LeaseLostError) -> NoReturn:
         """End a continuation whose epoch no longer holds before its body runs: called directly
         or eagerly, with the error, as a skip."""
         if self.request.called_directly or self.request.is_eager:
             raise error
-        self._stop(REJECTED, error)
+        self._fence_stop(REJECTED, error)
 
-    def _stop(self, state: str, error: LeaseError) -> NoReturn:
+    def _fence_stop(self, state: str, error: LeaseError) -> NoReturn:
         if _awaited_by_a_chord(self.request):
             # A chord calls its body once every part has ended in a state Celery counts as
             # finished, which SKIPPED and REJECTED are not: the chord would wait forever. A
