@@ -103,9 +103,10 @@ class Lease:
 
 @dataclass(frozen=True, kw_only=True)
 class Acquisition:
-    """The answer to :meth:`LeaseStore.acquire`. ``expires_in`` is how many seconds the owner's
-    lease had left by the database clock when the answer was given (negative once it expired),
-    ``None`` when the answer did not tell: a figure no client clock, skewed or not, went into."""
+    """The answer to :meth:`LeaseStore.acquire` and :meth:`LeaseStore.rejoin`. ``expires_in``
+    is how many seconds the owner's lease had left by the database clock when the answer was
+    given (negative once it expired), ``None`` when the answer did not tell: a figure no client
+    clock, skewed or not, went into."""
 
     outcome: Outcome
     lease: Lease | None
