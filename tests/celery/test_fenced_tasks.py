@@ -419,8 +419,11 @@ def test_templates_are_filled_from_args_kwargs_and_defaults(
         ({"lease": "release:{region}"}, "names 'region', which is not a parameter of"),
         ({"environment": "{env}"}, "the environment template '{env}' names 'env'"),
         ({"purpose": "release {build.id}"}, "the purpose template 'release {build.id}' names"),
-        ({"lease": "release:{0}"}, "must name the task's parameters"),
-        ({"lease": "release:{}"}, "must name the task's parameters"),
+        (
+            {"lease": "release:{0}"},
+            "must name the task's parameters ({self_or_environment}, {environment}), not",
+        ),
+        ({"lease": "release:{}", "bind": True}, "must name the task's parameters ({environment})"),
         ({"lease": "release:{environment"}, "is malformed"),
         ({"lease": "release:{environment!z}"}, "is malformed: unknown conversion !z"),
         ({"lease": "release:{environment:{environment!q}}"}, "unknown conversion !q"),

@@ -1216,9 +1216,10 @@ def _check_templates(
             ) from exc
         for name in fields:
             if not isinstance(name, str) or not name:
+                named = ", ".join(f"{{{parameter}}}" for parameter in parameters) or "none"
                 raise ConfigurationError(
                     f"the {what} template {template!r} must name the task's parameters "
-                    f"(`{{environment}}`), not their positions"
+                    f"({named}), not their positions"
                 )
             if name not in parameters:
                 raise ConfigurationError(
