@@ -163,6 +163,25 @@ def test_a_fresh_scheduler_takes_the_lease_and_sends_a_due_entry(
     assert re.fullmatch("[0-9a-f]{32}", fence_header["publication"])
 
 
+def test_a_dispatch_adds_its_header_to_the_entrys_own_and_leaves_the_setting_as_it_was(
+    app: Celery, scheduler: NewScheduler
+) -> None:
+    configured = {"headers": {"team": "ops"}, "priority": 3}
+    app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": PERIOD, "options": configured}
+    }
+    beat = scheduler()
+    make_due(beat)
+
+    assert beat.tick() == 0
+
+    [headers] = queued(app)
+    assert headers["team"] == "ops"
+    assert isinstance(headers[HEADER], dict)
+    assert configured == {"headers": {"team": "ops"}, "priority": 3}
+    assert app.conf.beat_schedule[ENTRY]["options"] == {"headers": {"team": "ops"}, "priority": 3}
+
+
 def test_a_closed_scheduler_releases_its_lease_and_never_leads_again(
     store: LeaseStore, scheduler: NewScheduler
 ) -> None:
@@ -829,6 +848,108 @@ def test_a_takeover_catches_each_crontab_up_from_its_own_latest_slot(clocked_app
         ("report", "10:06", True),
     ]
     assert len(queued(clocked_app)) == len(sent)
+
+
+class OnceAt(schedules.BaseSchedule):  # type: ignore[misc]
+    """Due once, at ``at``: what a solar event is for its day, a schedule that is neither an
+    interval nor a crontab."""
+
+    def __init__(self, at: datetime) -> None:
+        super().__init__()
+        self.at = at
+
+    def is_due(self, last_run_at: datetime) -> schedules.schedstate:
+        now = datetime.now(timezone.utc)
+        if self.maybe_make_aware(last_run_at) < self.at <= now:
+            return schedules.schedstate(True, 3600.0)
+        next_check = (self.at - now).total_seconds() if now < self.at else 3600.0
+        return schedules.schedstate(False, next_check)
+
+    def remaining_estimate(self, last_run_at: datetime) -> timedelta:
+        return self.at - datetime.now(timezone.utc)
+
+    def __repr__(self) -> str:
+        return f"OnceAt({self.at.isoformat()})"
+
+
+def test_a_takeover_does_not_send_again_an_event_of_another_schedule_its_predecessor_sent(
+    clocked_app: Celery, fake_store: LeaseStore
+) -> None:
+    """The slots of a schedule that is neither an interval nor a crontab (``solar``, one of the
+    app's own) last a second, and differ from one instance to the next. The leader sends the
+    event at 10:00:30 and hands over a second later; the standby, whose last tick came before
+    the event, takes over at its next: it counts the entry from when the event was sent, and
+    does not send it again under a second of its own."""
+    event = OnceAt(datetime(2030, 1, 1, 10, 0, 30, tzinfo=timezone.utc))
+    clocked_app.conf.beat_schedule = {"event": {"task": "example.report", "schedule": event}}
+    with freeze_time("2030-01-01T10:00:20+00:00", ignore=["_pytest.timing"]) as frozen:
+        leader = FencedScheduler(app=clocked_app, lazy=False)
+        standby = FencedScheduler(app=clocked_app, lazy=False)
+        try:
+            leader.tick()
+            standby.tick()
+            frozen.move_to("2030-01-01T10:00:25+00:00")
+            standby.tick()
+            frozen.move_to("2030-01-01T10:00:30+00:00")
+            leader.tick()  # sends the event
+            frozen.move_to("2030-01-01T10:00:31+00:00")
+            leader.close()  # gives the lease back, as at a SIGTERM
+            frozen.move_to("2030-01-01T10:00:32+00:00")
+            lead_until(standby, frozen, "10:00:40")
+            assert standby.lease is not None
+        finally:
+            leader.close()
+            standby.close()
+    sent = [
+        (d.entry, d.slot.strftime("%H:%M:%S"), d.holder == leader.holder)
+        for d in fake_store.dispatches(leader.lease_name)
+    ]
+    assert sent == [("event", "10:00:30", True)]
+    assert len(queued(clocked_app)) == 1
+
+
+class BreaksAt(crontab):  # type: ignore[misc]
+    """A crontab whose occurrences cannot be told from 10:01 on (Celery's own raises
+    ``RuntimeError`` when it cannot roll a date over)."""
+
+    def remaining_delta(self, *args: Any, **kwargs: Any) -> Any:
+        if datetime.now(timezone.utc) >= datetime(2030, 1, 1, 10, 1, tzinfo=timezone.utc):
+            raise RuntimeError("unable to rollover")
+        return super().remaining_delta(*args, **kwargs)
+
+
+def test_a_takeover_logs_an_entry_it_cannot_count_from_its_claim_and_leads_on(
+    clocked_app: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The standby takes over at 10:03:10; one entry's crontab raises when asked whether its
+    latest slot (10:00) is one of its occurrences. That entry is logged and keeps its own count;
+    the other catches up (10:02) as it would have, and beat leads on instead of stopping (and
+    being restarted, in a loop)."""
+    caplog.set_level(logging.ERROR, "celery_fence")
+    clocked_app.conf.beat_schedule = {
+        ENTRY: {"task": "example.plan_retention", "schedule": crontab("*/2")},
+        "broken": {"task": "example.report", "schedule": BreaksAt("*/2")},
+    }
+    sent = fail_over(
+        clocked_app,
+        leader_stops="10:01:59",
+        lease_holds="10:02:05",
+        takes_over="10:03:10",
+        leads_until="10:04:10",
+    )
+    assert sent == [
+        ("broken", "10:00", False),
+        (ENTRY, "10:00", False),
+        (ENTRY, "10:02", True),
+        (ENTRY, "10:04", True),
+    ]
+    [said] = [r for r in caplog.records if r.getMessage().startswith("beat cannot count")]
+    assert said.getMessage() == (
+        "beat cannot count 'broken' from its latest slot, 2030-01-01T10:00:00+00:00; it counts "
+        "from its own last run"
+    )
+    assert said.exc_info is not None
+    assert said.exc_info[0] is RuntimeError
 
 
 class Unknowable(schedules.schedule):  # type: ignore[misc]

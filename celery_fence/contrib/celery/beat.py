@@ -26,6 +26,7 @@ from typing import Any
 
 from celery import schedules
 from celery.beat import ScheduleEntry, Scheduler
+from celery.utils.time import maybe_make_aware
 
 from celery_fence import validation
 from celery_fence.exceptions import (
@@ -36,7 +37,7 @@ from celery_fence.exceptions import (
     SchemaNotInstalledError,
 )
 from celery_fence.keeper import retry_after_failure
-from celery_fence.models import Lease, Owner
+from celery_fence.models import Dispatch, Lease, Owner
 from celery_fence.observe import log
 
 from .fence import Fence, refuse_start
@@ -248,12 +249,12 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         not an occurrence of its crontab now (the crontab changed since), keeps its own
         count: it comes due at its next occurrence. For an interval entry, the slots between
         its latest claim and the first this leader sends, none of which any instance sent, are
-        logged and counted (``beat.slots_missed``)."""
-        entries = [
-            entry
-            for entry in self.schedule.values()
-            if isinstance(entry.schedule, (schedules.schedule, schedules.crontab))
-        ]
+        logged and counted (``beat.slots_missed``). Any other schedule (``solar``, one of the
+        app's own) has slots of a second, which differ from one instance to the next: such an
+        entry counts its last run from when its latest slot was sent, if that is later than
+        its own count, so that an event the previous leader sent is not sent again. An entry
+        whose count cannot be told from its claim is logged and keeps its own count."""
+        entries = list(self.schedule.values())
         try:
             latest = self.fence.store.latest_dispatches(
                 self.lease_name, (entry.name for entry in entries)
@@ -272,12 +273,29 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
             claimed = latest.get(entry.name)
             if claimed is None:
                 continue
-            if isinstance(entry.schedule, schedules.crontab):
-                if _is_occurrence(entry.schedule, claimed.slot):
-                    entry.last_run_at = claimed.slot.astimezone(entry.schedule.tz)
-            elif slot_of(entry, claimed.slot) == claimed.slot:
+            try:
+                self._count_from(entry, claimed, now)
+            except Exception:  # as Celery's tick does for an entry it cannot tell is due
+                log.exception(
+                    "beat cannot count %r from its latest slot, %s; it counts from its own last "
+                    "run",
+                    entry.name,
+                    claimed.slot.isoformat(),
+                    extra={"lease": self.lease_name, "entry": entry.name},
+                )
+
+    def _count_from(self, entry: ScheduleEntry, claimed: Dispatch, now: datetime) -> None:
+        """Count ``entry`` from ``claimed``, its latest slot (see :meth:`_from_their_claims`)."""
+        schedule = entry.schedule
+        if isinstance(schedule, schedules.crontab):
+            if _is_occurrence(schedule, claimed.slot):
+                entry.last_run_at = claimed.slot.astimezone(schedule.tz)
+        elif isinstance(schedule, schedules.schedule):
+            if slot_of(entry, claimed.slot) == claimed.slot:
                 # Not for a slot off the entry's grid now: its period changed since.
                 self._say_missed(entry, claimed.slot, now)
+        elif claimed.dispatched_at > maybe_make_aware(entry.last_run_at):
+            entry.last_run_at = claimed.dispatched_at
 
     def _say_missed(self, entry: ScheduleEntry, claimed: datetime, now: datetime) -> None:
         """Log and count the slots of an interval entry after ``claimed`` (its latest claim)
@@ -502,7 +520,9 @@ class FencedScheduler(Scheduler):  # type: ignore[misc]
         # A publication id of its own: runs of two dispatches sent with one task id (an entry's
         # task_id option) are told apart, as a redelivery of each is told from the other.
         headers[HEADER] = published(FenceHeader.for_lease(lease, "join").to_message())
-        entry.options["headers"] = headers
+        # Options of the entry's own: Celery's entry shares its dict with the beat_schedule
+        # setting it came from, which stays as configured.
+        entry.options = {**entry.options, "headers": headers}
         return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
 
     def close(self) -> None:
