@@ -1059,6 +1059,30 @@ def test_a_crontab_slot_is_its_latest_occurrence(
     assert slot_of(entry, now) == expected
 
 
+@pytest.mark.parametrize(
+    ("fields", "now", "expected"),
+    [
+        ({"minute": "*", "month_of_year": "1"}, "2030-12-07T10:00", "2030-01-31T23:59"),
+        ({"minute": "*", "month_of_year": "1"}, "2030-01-15T10:00:30", "2030-01-15T10:00"),
+        (
+            {"minute": 0, "hour": 3, "day_of_month": 29, "month_of_year": 2},
+            "2031-06-01T00:00",
+            "2028-02-29T03:00",
+        ),
+    ],
+    ids=["dense in January, sent in December", "within January", "leap days"],
+)
+def test_a_crontab_slot_is_its_latest_occurrence_however_far_back(
+    fields: dict[str, Any], now: str, expected: str
+) -> None:
+    app = Celery("crontab-sparse", set_as_current=False)
+    entry = ScheduleEntry(
+        name=ENTRY, task="example.plan_retention", schedule=crontab(**fields, app=app), app=app
+    )
+    at = datetime.fromisoformat(f"{now}+00:00")
+    assert slot_of(entry, at) == datetime.fromisoformat(f"{expected}+00:00")
+
+
 def test_a_takeover_does_not_catch_up_a_crontab_that_changed_since_its_latest_slot(
     clocked_app: Celery, fake_store: LeaseStore
 ) -> None:

@@ -78,10 +78,21 @@ def _is_occurrence(schedule: schedules.crontab, when: datetime) -> bool:
 def _latest_occurrence(schedule: schedules.crontab, now: datetime) -> datetime:
     """The crontab's latest occurrence at or before ``now``: it looks back a minute, then twice
     as far each time until an occurrence falls in between (Celery refuses a crontab that never
-    occurs), then forward to the last one."""
+    occurs), then halves the span that holds the latest one down to a minute, which holds no
+    other: a few dozen of Celery's steps, however many occurrences lie in between (a crontab of
+    every minute of January, sent in December)."""
     back = timedelta(minutes=1)
-    while (occurrence := _next_occurrence(schedule, now - back)) > now:
+    while _next_occurrence(schedule, now - back) > now:
         back *= 2
+    # The first occurrence after `early` is at or before `now`; the first after `late` is not.
+    early, late = now - back, now
+    while late - early > timedelta(minutes=1):
+        middle = early + (late - early) / 2
+        if _next_occurrence(schedule, middle) <= now:
+            early = middle
+        else:
+            late = middle
+    occurrence = _next_occurrence(schedule, early)
     while (later := _next_occurrence(schedule, occurrence)) <= now:
         occurrence = later
     return occurrence
