@@ -232,8 +232,8 @@ def pg_from_environment() -> str | None:
     if answer.sqlstate == "3D000":  # invalid_catalog_name
         raise Unavailable(
             "CELERY_FENCE_DATABASE_URL names a database its server does not have "
-            f"({answer.message})"
-            f": create it (createdb -h {host} -U {user} {database}), or unset the variable"
+            f"({answer.message}): create it (createdb -h {host} -U {user} {database}), or unset "
+            "the variable"
         )
     raise Unavailable(
         f"CELERY_FENCE_DATABASE_URL does not answer ({answer.message}): start that server, "
