@@ -246,6 +246,37 @@ def test_a_run_stopped_as_its_renewals_start_stops_them(
         assert store.release(parent) == "released"
 
 
+def test_a_run_whose_release_a_soft_time_limit_stops_ends_as_its_body_did(
+    fence: Fence,
+    store: LeaseStore,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The limit fires as the body has returned and the run gives its lease back: the result is
+    the body's, the lease is left to expire, and the log says why, with the traceback."""
+    caplog.set_level(logging.WARNING, "celery_fence")
+
+    def interrupted(lease: Lease, **options: Any) -> str:
+        raise SoftTimeLimitExceeded()
+
+    @fence.task(lease=NAME, ttl=60)
+    def publish() -> str:
+        monkeypatch.setattr(fence.store, "release", interrupted)
+        return "published"
+
+    result = publish.apply()
+    assert (result.state, result.result) == (states.SUCCESS, "published")
+    owner = store.owner(NAME)
+    assert owner is not None
+    assert (owner.epoch, owner.state) == (1, "held")
+    [said] = [r for r in caplog.records if r.getMessage().startswith("could not release")]
+    assert said.getMessage() == (
+        f"could not release lease {NAME} (it will expire): SoftTimeLimitExceeded()"
+    )
+    assert said.exc_info is not None
+    assert said.exc_info[0] is SoftTimeLimitExceeded
+
+
 def test_a_continuation_that_cannot_go_on_after_joining_leaves_the_lease(
     fence: Fence, store: LeaseStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -504,13 +504,21 @@ class Fence:
         self._release(lease, enforced=run.enforced)
 
     def _release(self, lease: Lease, *, enforced: bool, finished: bool = True) -> None:
-        """Release ``lease`` at the end of a run; a release that fails leaves it to expire."""
+        """Release ``lease`` at the end of a run; a release that fails leaves it to expire, and
+        so does one something else stops (a soft time limit that fires as the run ends): the run
+        ends as its body did, and the log says why the lease was not given back."""
         try:
             self.store.release(lease, enforce=enforced, finished=finished)
         except LeaseLostError:
             pass  # already logged, counted and recorded by the store
-        except FenceError as exc:
-            log.warning("could not release lease %s (it will expire): %s", lease.name, exc)
+        except Exception as exc:
+            log.warning(
+                "could not release lease %s (it will expire): %s",
+                lease.name,
+                str(exc) or repr(exc),
+                exc_info=not isinstance(exc, FenceError),
+                extra={"lease": lease.name, "epoch": lease.epoch},
+            )
 
     def _acquire(
         self,
