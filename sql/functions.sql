@@ -414,6 +414,7 @@ DECLARE
     v_reason text;
     v_join celery_fence.joins;
     v_held boolean;
+    v_synchronous_commit text := current_setting('synchronous_commit');
 BEGIN
     v_error := coalesce(
         celery_fence.name_error(p_name),
@@ -495,6 +496,8 @@ BEGIN
         RETURN celery_fence.answer_of('released', NULL, v_row, false, v_now);
     END IF;
     v_reason := coalesce(v_reason, 'expired');
+    -- A stale release's record commits as the caller's session commits, not as a release does.
+    PERFORM set_config('synchronous_commit', v_synchronous_commit, true);
     PERFORM celery_fence.record_stale_run(
         p_name, p_epoch, p_holder, v_reason, 'release', p_environment, p_enforced, p_now
     );

@@ -220,7 +220,8 @@ def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_ti
     store: LeaseStore,
 ) -> None:
     """The release's SET clause restores lock_timeout when it returns, and only that: the
-    synchronous_commit it turns off for its transaction stays off until the commit."""
+    synchronous_commit it turns off for its transaction stays off until the commit; a stale
+    release, whose record must last, sets it back to the session's."""
     lease = held(store.acquire(NAME, holder="a", ttl=300, environment="prod"))
     params = {"name": NAME, "epoch": lease.epoch, "token": lease.token, "holder": "a"}
     params |= {"enforced": True, "now": None, "lock_timeout": 0.5, "environment": "prod"}
@@ -233,6 +234,15 @@ def test_a_release_commits_without_waiting_for_the_disk_and_restores_the_lock_ti
         ).one()
     assert released.outcome == "released"
     assert tuple(settings) == ("off", "7s")
+    # Released again once it was taken over: its stale run's record commits as the session's do.
+    successor = held(store.acquire(NAME, holder="b", ttl=300, environment="prod"))
+    assert successor.epoch == lease.epoch + 1
+    with store.engine.begin() as conn:
+        refused = conn.execute(sa.text(_sql.queries()["release"]), params).one()
+        setting = conn.exec_driver_sql("SELECT current_setting('synchronous_commit')").scalar()
+    assert (refused.outcome, refused.reason, setting) == ("lost", "superseded", "on")
+    [stale] = store.stale_runs()
+    assert (stale.action, stale.stale_epoch, stale.current_epoch) == ("release", 1, 2)
 
 
 STALE_CALLS: dict[str, Callable[[LeaseStore, Lease], object]] = {
