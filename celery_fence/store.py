@@ -1048,9 +1048,10 @@ class LeaseStore:
         schema is missing or older than this package's migrations. Its errors (those of a
         database it cannot reach too) name the database: its URL as :func:`shown_url` shows
         it, passwords hidden; ``name_database=False`` leaves it out, for a caller that names
-        the database itself."""
+        the database itself. A lock on the migrations table (a concurrent install's) keeps it
+        waiting no longer than ``lock_timeout``: then :class:`FenceDatabaseError`."""
         try:
-            rows = self._rows("schema_version", {})
+            rows = self._rows("schema_version", {}, lock_timeout=self.lock_timeout)
             version = rows[0]["version"] if rows else None
             if version is None or version < _sql.latest_version():
                 raise SchemaNotInstalledError(

@@ -853,6 +853,30 @@ def test_a_store_on_an_older_schema_refuses_its_first_call_before_it_grants_anyt
         store.dispose()
 
 
+def test_the_schema_check_waits_for_a_locked_migrations_table_no_longer_than_the_lock_timeout(
+    database_url: str, engine: Engine
+) -> None:
+    """An install in progress elsewhere (or maintenance) holds the migrations table: the check a
+    worker makes at start-up, and a store's first call, give up after the lock timeout (an
+    acquisition answers busy, as behind any lock it waited for too long), and go on once the
+    table is free."""
+    store = LeaseStore.from_url(database_url, lock_timeout=0.2)
+    try:
+        with engine.begin() as maintenance:
+            maintenance.exec_driver_sql(
+                "LOCK TABLE celery_fence.migrations IN ACCESS EXCLUSIVE MODE"
+            )
+            started = time.monotonic()
+            with pytest.raises(FenceDatabaseError, match="lock timeout"):
+                store.check_schema()
+            assert store.acquire("release:prod", holder="a", ttl=30).outcome == "busy"
+            assert time.monotonic() - started < 5
+        assert store.check_schema() == _sql.latest_version()
+        assert store.acquire("release:prod", holder="a", ttl=30).acquired
+    finally:
+        store.dispose()
+
+
 @pytest.mark.parametrize("call", sorted(CALLS))
 def test_a_missing_schema_says_to_install(empty_database_url: str, call: str) -> None:
     store = LeaseStore.from_url(empty_database_url)
