@@ -156,7 +156,8 @@ def _command_error(exc: FenceError, settings: Settings) -> CommandError:
     if isinstance(exc, ConfigurationError):
         return BadInput(str(exc))
     if isinstance(exc, FenceDatabaseError):
-        return CommandError(f"{exc} [database {settings.where()}]")
+        exc.database = settings.where()  # as given, once, whoever named it first
+        return CommandError(str(exc))
     if isinstance(exc, LeasePausedError):
         return PausedLease(str(exc))
     if isinstance(exc, LeaseLostError):

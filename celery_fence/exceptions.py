@@ -17,7 +17,15 @@ class ConfigurationError(FenceError, ValueError):
 
 
 class FenceDatabaseError(FenceError):
-    """The database failed or could not be reached; the driver's error is the ``__cause__``."""
+    """The database failed or could not be reached; the driver's error is the ``__cause__``.
+    ``database``, when set, names the database the error is about (its URL, passwords hidden),
+    which the message then ends with: ``... [database postgresql+psycopg://...]``."""
+
+    database: str | None = None
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        return message if self.database is None else f"{message} [database {self.database}]"
 
 
 class SchemaNotInstalledError(FenceDatabaseError):

@@ -1061,7 +1061,8 @@ class LeaseStore:
         except FenceDatabaseError as exc:
             if not name_database:
                 raise
-            raise type(exc)(f"{exc} [database {shown_url(self.engine.url)}]") from exc.__cause__
+            exc.database = shown_url(self.engine.url)
+            raise
         self._schema_checked = True
         return int(version)
 

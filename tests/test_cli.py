@@ -160,6 +160,7 @@ def test_a_schema_older_than_the_package_grants_no_lease(
         f"celery-fence schema is at version {latest - 1}, this package needs {latest}; run "
         f"`celery-fence install` [database {database_url}]",
     )
+    assert result.stderr.count("[database ") == 1
     assert result.stdout == ""
     with store.engine.connect() as conn:
         leases = conn.exec_driver_sql("SELECT count(*) FROM celery_fence.leases").scalar_one()
@@ -200,6 +201,7 @@ def test_passwords_given_as_url_parameters_are_hidden_too() -> None:
         "[database postgresql://postgres@127.0.0.1:1/none?connect_timeout=2&password=***"
         "&sslpassword=***]",
     )
+    assert result.stderr.count("[database ") == 1
     assert "s3cret" not in result.stderr
     assert "k3y" not in result.stderr
 
