@@ -2,7 +2,7 @@
 #
 #     source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 #
-# ensure_venv      creates .venv (again when its python no longer runs), installs the package
+# ensure_venv      creates .venv (again when its python or pip no longer runs), installs the package
 #                  with its [dev] extras when pyproject.toml changed, and puts .venv/bin first
 #                  on PATH.
 # ensure_services  finds or starts PostgreSQL, Redis and RabbitMQ (scripts/services.py) and
@@ -22,12 +22,16 @@ die() {
 }
 
 # The URL with any password replaced by ***, for printing.
-redact() { printf '%s\n' "$1" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#; s#([?&]password=)[^&]*#\1***#g'; }
+redact() { printf '%s\n' "$1" | sed -E 's#(://[^:/@]*):[^@/]*@#\1:***@#; s#([?&](ssl)?password=)[^&]*#\1***#g'; }
+
+# Whether the virtual environment at $1 has a python that runs, with pip.
+venv_works() { "$1/bin/python" -m pip --version >/dev/null 2>&1; }
 
 ensure_venv() {
-    if [ -e "$VENV" ] && ! "$VENV/bin/python" -c '' 2>/dev/null; then
-        # A .venv whose interpreter is gone (Python upgraded or removed) is made again.
-        say "$VENV has no working python: recreating it"
+    if [ -e "$VENV" ] && ! venv_works "$VENV"; then
+        # A .venv whose interpreter is gone (Python upgraded or removed), or one a failed
+        # `python3 -m venv` left without pip, is made again.
+        say "$VENV has no working python and pip: recreating it"
         rm -rf "$VENV"
     fi
     if [ ! -x "$VENV/bin/python" ]; then
@@ -35,8 +39,10 @@ ensure_venv() {
         python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
             die "python3 is $(python3 -V 2>&1 | cut -d' ' -f2); celery-fence needs 3.10 or newer"
         say "creating $VENV"
-        python3 -m venv "$VENV" ||
+        if ! python3 -m venv "$VENV"; then
+            rm -rf "$VENV"
             die "python3 -m venv failed: install the venv module (apt-get install python3-venv)"
+        fi
     fi
     if [ ! -f "$VENV_STAMP" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$VENV_STAMP" ]; then
         say "installing celery-fence[dev] into $VENV (log: $VENV/pip.log)"

@@ -23,6 +23,7 @@ Standard library only: it runs with the system ``python3`` before the virtualenv
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -215,19 +216,44 @@ def pg_local(port: int) -> str | None:
     return pg_url(port) if answer.status == "ok" else None
 
 
+def pg_target(url: str) -> tuple[str, int, str, str]:
+    """The host, port, user and database a ``postgresql://`` URL names, its query's ``host``,
+    ``port``, ``user`` and ``dbname`` before the URL's own (as libpq takes them); ValueError for
+    anything else."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgres", "postgresql") and not parts.scheme.startswith(
+        "postgresql+"
+    ):
+        raise ValueError(f"scheme {parts.scheme!r}")
+    query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+    host = query.get("host") or parts.hostname or "/var/run/postgresql"
+    port = int(query.get("port") or parts.port or 5432)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port}")
+    user = query.get("user") or unquote(parts.username or "") or pwd.getpwuid(os.getuid()).pw_name
+    database = query.get("dbname") or unquote(parts.path.lstrip("/")) or user
+    return host, port, user, database
+
+
 def pg_from_environment() -> str | None:
     """CELERY_FENCE_DATABASE_URL when it is set; an error when its server does not answer (a
     server chosen on purpose is not replaced by another one)."""
     url = os.environ.get("CELERY_FENCE_DATABASE_URL")
     if not url:
         return None
-    parts = urlsplit(url)
-    query = parse_qs(parts.query)
-    host = parts.hostname or query.get("host", ["/var/run/postgresql"])[0]
-    user = unquote(parts.username or "") or pwd.getpwuid(os.getuid()).pw_name
-    database = unquote(parts.path.lstrip("/")) or user
-    answer = pg_session(host, parts.port or 5432, user, database)
+    try:
+        host, port, user, database = pg_target(url)
+    except ValueError as exc:
+        raise Unavailable(
+            f"CELERY_FENCE_DATABASE_URL is not a postgresql://user@host:port/database URL ({exc})"
+        ) from None
+    answer = pg_session(host, port, user, database)
     if answer.status in ("ok", "password"):
+        return url
+    if (answer.sqlstate or "").startswith("28"):  # invalid_authorization_specification
+        # The server answers, but refuses this check's plain session (it wants SSL, or knows
+        # no such role): the URL is used as given, and its own connections say what is wrong.
+        note(f"CELERY_FENCE_DATABASE_URL: the server refused a plain session ({answer.message})")
         return url
     if answer.sqlstate == "3D000":  # invalid_catalog_name
         raise Unavailable(
@@ -408,6 +434,18 @@ def postgres(port: int) -> str:
     )
 
 
+def postmaster_of(data: Path) -> int | None:
+    """The pid in ``data``'s postmaster.pid when that process is a postmaster still running in
+    ``data`` (its working directory), else None: a pid left by one that died may be another
+    process's by now."""
+    try:
+        pid = int((data / "postmaster.pid").read_text().split()[0])
+        running_in = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if running_in == data.resolve() else None
+
+
 def stop_throwaway() -> str:
     """Stop the recorded throwaway cluster and delete its directory."""
     state = load_state()
@@ -418,11 +456,12 @@ def stop_throwaway() -> str:
     try:
         pg_ctl(state, "-m", "fast", "-w", "stop")
     except Unavailable as exc:
-        if pid_file.exists():
-            pid = int(pid_file.read_text().split()[0])
+        pid = postmaster_of(base / "data")
+        if pid is not None:
             note(f"{exc}; sending SIGTERM to postmaster {pid}")
-            os.kill(pid, signal.SIGTERM)
-            wait_for(lambda: not pid_file.exists(), 30)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+                wait_for(lambda: not pid_file.exists(), 30)
     shutil.rmtree(base, ignore_errors=True)
     STATE_FILE.unlink(missing_ok=True)
     return f"stopped the throwaway PostgreSQL cluster in {base}"
