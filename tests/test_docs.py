@@ -38,6 +38,7 @@ broker and results (``sqla+``/``db+`` URLs), so that pages never share a queue.
 from __future__ import annotations
 
 import ast
+import codeop
 import dataclasses
 import doctest
 import importlib
@@ -560,6 +561,35 @@ def test_every_python_block_compiles() -> None:
                 ast.parse(block.body)
             except SyntaxError as exc:
                 broken.append(f"{block.where}: {exc}")
+    assert not broken, "\n".join(broken)
+
+
+def pasted_fails(source: str) -> str | None:
+    """What Python's interactive interpreter says, line by line, to ``source`` pasted into it,
+    or ``None`` when it takes every line: there a blank line ends a compound statement (one
+    inside a function's body ends the function), and a statement after one needs a blank line
+    before it."""
+    compiler = codeop.CommandCompiler()
+    pending: list[str] = []
+    for number, line in enumerate([*source.splitlines(), ""], start=1):
+        pending.append(line)
+        try:
+            code = compiler("\n".join(pending), "<stdin>", "single")
+        except SyntaxError as exc:
+            return f"line {number}: {exc.msg}"
+        if code is not None or not "".join(pending).strip():
+            pending = []
+    return None
+
+
+def test_python_blocks_a_page_says_to_paste_into_python_paste_as_they_are() -> None:
+    broken = []
+    for page in pages():
+        if "paste them in turn" not in page.read_text(encoding="utf-8"):
+            continue
+        for block in blocks(page):
+            if block.language == "python" and (failure := pasted_fails(block.body)):
+                broken.append(f"{block.where}: {failure}")
     assert not broken, "\n".join(broken)
 
 
