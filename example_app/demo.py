@@ -288,8 +288,9 @@ class Demo:
         self.wait("two retention plans", lambda: len(data.plans(self.store.engine)) >= 2, 30)
         self.say("the retention planner runs every 2 s; its first plans are written")
 
-    def pause_leader(self) -> int:
-        """Scene 1; returns the paused leader's epoch."""
+    def pause_leader(self) -> tuple[int, bool]:
+        """Scene 1; returns the paused leader's epoch, and whether a rejection of it was
+        recorded (its renewal's; a leader that finds its own deadline passed records none)."""
         leader = self.wait("a beat instance to lead", self.leader, 30)
         paused, pid = self.beat(leader)
         os.kill(pid, signal.SIGSTOP)
@@ -306,10 +307,11 @@ class Demo:
         os.kill(pid, signal.SIGCONT)
         self.say(f"resumed {paused} (SIGCONT)")
 
-        def stepped_down() -> str | None:
-            """How the resumed leader stepped down: most often its next renewal is rejected
-            (and recorded); paused in the middle of a tick, it finds its own deadline passed
-            at the dispatch it was making, and sends nothing."""
+        def stepped_down() -> tuple[str, bool] | None:
+            """How the resumed leader stepped down, and whether that was recorded: most often
+            its next renewal is rejected (and recorded); paused in the middle of a tick, it
+            finds its own deadline passed at the dispatch it was making, and sends nothing
+            (which the database never saw)."""
             for stale in self.store.stale_runs(lease_name=SCHEDULE):
                 if (stale.stale_epoch, stale.stale_holder, stale.action) == (
                     leader.epoch,
@@ -318,16 +320,18 @@ class Demo:
                 ):
                     return (
                         f"its renewal of epoch {stale.stale_epoch} was rejected ({stale.reason}) "
-                        "and recorded"
+                        "and recorded",
+                        True,
                     )
             marker = f"stepped down from epoch {leader.epoch}: "
             for line in self.processes.log(paused).splitlines():
                 if marker in line:
-                    return f"epoch {leader.epoch}, {line.split(marker, 1)[1]}, sent nothing"
+                    return f"epoch {leader.epoch}, {line.split(marker, 1)[1]}, sent nothing", False
             return None
 
-        self.say(f"{paused} stepped down: {self.wait(f'{paused} to step down', stepped_down, 15)}")
-        return leader.epoch
+        how, recorded = self.wait(f"{paused} to step down", stepped_down, 15)
+        self.say(f"{paused} stepped down: {how}")
+        return leader.epoch, recorded
 
     def send(self, environment: str, release_id: str, build: int, **options: Any) -> str:
         task_id = f"{release_id}-{environment}-{uuid.uuid4().hex[:6]}"
@@ -436,7 +440,7 @@ def run(broker: str | None = None, logs: Path | None = None, out: TextIO = sys.s
         checks: list[report.Check] = []
         try:
             demo.start()
-            paused_epoch = demo.pause_leader()
+            paused_epoch, paused_recorded = demo.pause_leader()
             winner = demo.race()
             expired, rerun, expired_epoch = demo.expire()
         except DemoFailed as exc:
@@ -456,7 +460,11 @@ def run(broker: str | None = None, logs: Path | None = None, out: TextIO = sys.s
                 report.current_manifest(snapshot, "staging", rerun),
                 report.publish_rejected(snapshot, expired),
                 report.rejections_recorded(
-                    snapshot, lost=[(SCHEDULE, paused_epoch), ("release:staging", expired_epoch)]
+                    snapshot,
+                    lost=[
+                        *([(SCHEDULE, paused_epoch)] if paused_recorded else []),
+                        ("release:staging", expired_epoch),
+                    ],
                 ),
             ]
         print("", *report.render(snapshot), "Invariants", sep="\n", file=out)

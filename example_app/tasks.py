@@ -62,12 +62,13 @@ class ReleaseRequest:
 
 
 def held_lease() -> Lease:
-    """The running task's lease. (Shadow mode may run a task without one; this app's records
-    name the epoch they were written under, so it runs enforced.)"""
-    lease = fence.current().lease
-    if lease is None:
+    """The running task's lease. This app's records name the epoch they were written under,
+    and its releases must never let a stale one publish, so it runs enforced only: shadow mode
+    may run a task without a lease, and lets a stale write commit."""
+    run = fence.current()
+    if run.lease is None or not run.enforced:
         raise ConfigurationError("example_app runs with fence_enforcement=enforce only")
-    return lease
+    return run.lease
 
 
 def run_id(task: Any) -> str:

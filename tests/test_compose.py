@@ -87,6 +87,8 @@ def test_workers_run_the_example_app(services: dict[str, Any]) -> None:
 
 def test_beats_run_the_fenced_scheduler(services: dict[str, Any]) -> None:
     for name in BEATS:
+        # Named in the lease's holder, so that the docs can say how to tell which one leads.
+        assert services[name]["hostname"] == name
         (command,) = commands(services[name])
         assert command[:4] == ["celery", "-A", "example_app.celery_app", "beat"]
         assert command[command.index("-S") + 1] == "fence"

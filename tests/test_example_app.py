@@ -24,7 +24,7 @@ from celery.result import AsyncResult
 from click.testing import CliRunner
 from sqlalchemy.engine import Engine
 
-from celery_fence import Dispatch, HistoryEntry, Lease, LeaseStore, StaleRun
+from celery_fence import ConfigurationError, Dispatch, HistoryEntry, Lease, LeaseStore, StaleRun
 from celery_fence.contrib.celery import HEADER, REJECTED, Fence, FenceHeader
 from celery_fence.store import engine_from_url
 from example_app import data, report
@@ -331,6 +331,26 @@ def test_an_older_build_is_refused_unless_it_is_a_rollback(store: LeaseStore, wo
     manifest = manifest_of(store, "production")
     assert (manifest.build, manifest.rollback, manifest.epoch) == (41, True, 3)
     assert [o for _, _, o in outcomes(store)] == ["published", "refused", "published"]
+
+
+def test_a_release_in_shadow_mode_is_refused_before_it_publishes(
+    example: Fence, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shadow mode lets a stale write commit, which this app's releases must never do."""
+    monkeypatch.setitem(app.conf, "fence_enforcement", {"*": "shadow"})
+    shadow = Fence(app, store=example.store)
+    monkeypatch.setattr(release, "fence", shadow)
+    result = release.apply(
+        kwargs={
+            "environment": "production",
+            "release_id": "r-1",
+            "commit": commit_of(1),
+            "build": 1,
+        }
+    )
+    with pytest.raises(ConfigurationError, match="fence_enforcement=enforce only"):
+        result.get(timeout=TIMEOUT)
+    assert data.manifests(example.store.engine) == []
 
 
 def test_an_invalid_release_writes_nothing(store: LeaseStore, worker: None) -> None:
