@@ -174,9 +174,19 @@ def slots_dispatched_once(snapshot: Snapshot) -> Check:
     )
 
 
+def _while_held(snapshot: Snapshot, lease: str, epoch: int, at: datetime) -> bool:
+    """Whether ``at`` (a time the database's clock gave a write) falls between the winning of
+    ``lease``'s ``epoch`` and its end: a fenced write commits only while its epoch holds, and
+    is stamped before its check."""
+    won = snapshot.epoch(lease, epoch)
+    return (
+        won is not None and won.acquired_at <= at and (won.ended_at is None or at <= won.ended_at)
+    )
+
+
 def one_plan_per_slot(snapshot: Snapshot) -> Check:
     """Per scheduler epoch, no more plans from beat than slots it dispatched; each plan written
-    by the holder of the planner lease's epoch it names."""
+    by the holder of the planner lease's epoch it names, while that epoch held."""
     slots: Counter[tuple[str | None, int | None]] = Counter(
         (d.schedule, d.epoch) for d in snapshot.dispatches
     )
@@ -192,6 +202,12 @@ def one_plan_per_slot(snapshot: Snapshot) -> Check:
         f"plan {p.id} written by {p.holder}, not by {p.lease_name} epoch {p.epoch}'s holder"
         for p in scheduled
         if (won := snapshot.epoch(p.lease_name, p.epoch)) is None or won.holder != p.holder
+    ]
+    problems += [
+        f"plan {p.id} written at {clock(p.planned_at)}, while {p.lease_name} epoch {p.epoch} "
+        "did not hold"
+        for p in scheduled
+        if not _while_held(snapshot, p.lease_name, p.epoch, p.planned_at)
     ]
     return _check(
         problems or ([] if scheduled else ["no retention plan was written"]),
@@ -224,7 +240,8 @@ def failover(snapshot: Snapshot, schedule: str, paused_epoch: int) -> Check:
 
 
 def current_manifest(snapshot: Snapshot, environment: str, winner_task_id: str) -> Check:
-    """The environment has one manifest, and it is what the winning release published."""
+    """The environment has one manifest, and it is what the winning release published while
+    its epoch held."""
     winner = snapshot.release(winner_task_id)
     found = [m for m in snapshot.manifests if m.environment == environment]
     ok = (
@@ -233,6 +250,7 @@ def current_manifest(snapshot: Snapshot, environment: str, winner_task_id: str) 
         and winner.outcome == "published"
         and (found[0].release_id, found[0].build, found[0].epoch)
         == (winner.release_id, winner.build, winner.epoch)
+        and _while_held(snapshot, f"release:{environment}", found[0].epoch, found[0].published_at)
     )
     now = (
         f"{found[0].release_id} build {found[0].build} epoch {found[0].epoch}" if found else "none"

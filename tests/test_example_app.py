@@ -566,6 +566,16 @@ def test_plan_check_catches_a_plan_not_written_by_its_epochs_holder(
     assert "plan 3 written by plan[t9], not by retention:planner epoch 3's holder" in check.text
 
 
+def test_plan_check_catches_a_plan_written_after_its_epoch_ended(
+    beat_snapshot: report.Snapshot,
+) -> None:
+    late = replace(planned(2, 3), planned_at=at(3.75))
+    check = report.one_plan_per_slot(replace(beat_snapshot, plans=[*beat_snapshot.plans[:2], late]))
+    assert not check.ok
+    assert "plan 3 written at " in check.text
+    assert "while retention:planner epoch 3 did not hold" in check.text
+
+
 def test_failover_check_needs_another_holder(beat_snapshot: report.Snapshot) -> None:
     same = {SCHEDULE: [won(1, "a", 0, 10), won(2, "a", 10, None)]}
     assert not report.failover(replace(beat_snapshot, history=same), SCHEDULE, 1).ok
@@ -582,8 +592,11 @@ def test_manifest_check_wants_the_winners_epoch(beat_snapshot: report.Snapshot) 
         rollback=False,
         published_at=at(2),
     )
-    state = replace(beat_snapshot, releases=[winner], manifests=[manifest])
+    history = {**beat_snapshot.history, "release:staging": [won(2, winner.holder, 1, 3)]}
+    state = replace(beat_snapshot, releases=[winner], manifests=[manifest], history=history)
     assert report.current_manifest(state, "staging", winner.task_id).ok
+    late = replace(state, manifests=[replace(manifest, published_at=at(4))])
+    assert not report.current_manifest(late, "staging", winner.task_id).ok
     stale = replace(state, manifests=[replace(manifest, epoch=1)])
     assert not report.current_manifest(stale, "staging", winner.task_id).ok
     assert not report.publish_rejected(stale, winner.task_id).ok
